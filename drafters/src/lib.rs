@@ -1,0 +1,1 @@
+//! Drafters: the `Drafter` trait and its implementations (issue 3).

@@ -1,0 +1,1 @@
+//! Engine: requests, the decode loop, metrics.

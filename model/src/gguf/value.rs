@@ -1,0 +1,97 @@
+//! GGUF metadata values (the typed key/value section of a GGUF file).
+
+/// One metadata value. Integer widths are kept as written so a writer can round-trip them.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GgufValue {
+    U8(u8),
+    I8(i8),
+    U16(u16),
+    I16(i16),
+    U32(u32),
+    I32(i32),
+    U64(u64),
+    I64(i64),
+    F32(f32),
+    F64(f64),
+    Bool(bool),
+    String(String),
+    Array(Vec<GgufValue>),
+}
+
+impl GgufValue {
+    /// Any non-negative integer value, widened.
+    pub fn as_u64(&self) -> Option<u64> {
+        match *self {
+            GgufValue::U8(v) => Some(v as u64),
+            GgufValue::U16(v) => Some(v as u64),
+            GgufValue::U32(v) => Some(v as u64),
+            GgufValue::U64(v) => Some(v),
+            GgufValue::I8(v) => u64::try_from(v).ok(),
+            GgufValue::I16(v) => u64::try_from(v).ok(),
+            GgufValue::I32(v) => u64::try_from(v).ok(),
+            GgufValue::I64(v) => u64::try_from(v).ok(),
+            GgufValue::Bool(v) => Some(v as u64),
+            _ => None,
+        }
+    }
+
+    /// Any integer value, widened to i64.
+    pub fn as_i64(&self) -> Option<i64> {
+        match *self {
+            GgufValue::I8(v) => Some(v as i64),
+            GgufValue::I16(v) => Some(v as i64),
+            GgufValue::I32(v) => Some(v as i64),
+            GgufValue::I64(v) => Some(v),
+            _ => self.as_u64().and_then(|v| i64::try_from(v).ok()),
+        }
+    }
+
+    /// Any numeric value as f64 (floats and integers).
+    pub fn as_f64(&self) -> Option<f64> {
+        match *self {
+            GgufValue::F32(v) => Some(v as f64),
+            GgufValue::F64(v) => Some(v),
+            _ => self.as_i64().map(|v| v as f64),
+        }
+    }
+
+    pub fn as_bool(&self) -> Option<bool> {
+        match *self {
+            GgufValue::Bool(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            GgufValue::String(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn as_array(&self) -> Option<&[GgufValue]> {
+        match self {
+            GgufValue::Array(a) => Some(a),
+            _ => None,
+        }
+    }
+
+    /// A short name of the value's type, for error messages.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            GgufValue::U8(_) => "u8",
+            GgufValue::I8(_) => "i8",
+            GgufValue::U16(_) => "u16",
+            GgufValue::I16(_) => "i16",
+            GgufValue::U32(_) => "u32",
+            GgufValue::I32(_) => "i32",
+            GgufValue::U64(_) => "u64",
+            GgufValue::I64(_) => "i64",
+            GgufValue::F32(_) => "f32",
+            GgufValue::F64(_) => "f64",
+            GgufValue::Bool(_) => "bool",
+            GgufValue::String(_) => "string",
+            GgufValue::Array(_) => "array",
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! Verifier: acceptance rules and the verify pass (issue 3).
