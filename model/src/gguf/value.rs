@@ -95,3 +95,24 @@ impl GgufValue {
         }
     }
 }
+
+impl GgufValue {
+    /// The GGUF metadata value type id (0..=12) this variant is written as.
+    pub fn gguf_type_id(&self) -> u32 {
+        match self {
+            GgufValue::U8(_) => 0,
+            GgufValue::I8(_) => 1,
+            GgufValue::U16(_) => 2,
+            GgufValue::I16(_) => 3,
+            GgufValue::U32(_) => 4,
+            GgufValue::I32(_) => 5,
+            GgufValue::F32(_) => 6,
+            GgufValue::Bool(_) => 7,
+            GgufValue::String(_) => 8,
+            GgufValue::Array(_) => 9,
+            GgufValue::U64(_) => 10,
+            GgufValue::I64(_) => 11,
+            GgufValue::F64(_) => 12,
+        }
+    }
+}
