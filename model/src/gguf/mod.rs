@@ -444,8 +444,7 @@ impl GgufFile {
                 Some(first) => format!("array of {} {}", items.len(), first.type_name()),
                 None => "empty array".to_string(),
             },
-            GgufValue::String(_) => "string".to_string(),
-            scalar => format!("{} (value {scalar:?})", scalar.type_name()),
+            other => format!("{} (value {other})", other.type_name()),
         };
         GgufError::WrongType {
             path: self.path.clone(),
@@ -765,7 +764,8 @@ fn parse(path: &Path, bytes: &[u8]) -> Result<ParsedGguf, GgufError> {
                 return Err(malformed(Failure {
                     offset: reader.pos as u64,
                     reason: format!(
-                        "{GGUF_ALIGNMENT_KEY} is {value:?}; it must be a power-of-two integer"
+                        "{GGUF_ALIGNMENT_KEY} is {value} ({}); it must be a power-of-two integer",
+                        value.type_name()
                     ),
                 }))
             }

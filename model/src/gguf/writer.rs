@@ -81,7 +81,7 @@ fn validate(
         validate_value(key, value)?;
         if key == GGUF_ALIGNMENT_KEY && value.as_u64() != Some(ALIGNMENT) {
             return Err(invalid(format!(
-                "{GGUF_ALIGNMENT_KEY} is {value:?}, but this writer always aligns to {ALIGNMENT}"
+                "{GGUF_ALIGNMENT_KEY} is {value}, but this writer always aligns to {ALIGNMENT}"
             )));
         }
     }
