@@ -288,7 +288,8 @@ fn writer_rejects_inconsistent_input() {
         ggml_type,
         data: vec![0; len],
     };
-    let cases: Vec<(Vec<(String, GgufValue)>, Vec<GgufTensorToWrite>, &str)> = vec![
+    type Metadata = Vec<(String, GgufValue)>;
+    let cases: Vec<(Metadata, Vec<GgufTensorToWrite>, &str)> = vec![
         (
             vec![],
             vec![tensor(vec![4], GgmlType::F32, 15)],

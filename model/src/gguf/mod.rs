@@ -50,7 +50,7 @@ pub enum GgufError {
         #[source]
         source: std::io::Error,
     },
-    #[error("{}: not a GGUF file: it starts with bytes {found:02x?}, expected the magic \"GGUF\" (47 47 55 46)", path.display())]
+    #[error("{}: not a GGUF file: it starts with {}, expected the magic \"GGUF\" (47 47 55 46)", path.display(), describe_bytes(found))]
     BadMagic { path: PathBuf, found: Vec<u8> },
     #[error("{}: unsupported GGUF version {version}; this reader supports versions 2 and 3{}", path.display(), version_hint(*version))]
     UnsupportedVersion { path: PathBuf, version: u32 },
@@ -104,6 +104,17 @@ fn version_hint(version: u32) -> &'static str {
             " (the version looks byte-swapped: big-endian GGUF files are not supported)"
         }
         _ => "",
+    }
+}
+
+/// Bytes as hex, plus their ASCII text when printable, e.g. `47 47 4d 4c ("GGML")`.
+fn describe_bytes(bytes: &[u8]) -> String {
+    let hex: Vec<String> = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    let hex = hex.join(" ");
+    if bytes.iter().all(|b| b.is_ascii_graphic() || *b == b' ') {
+        format!("{hex} ({:?})", String::from_utf8_lossy(bytes))
+    } else {
+        hex
     }
 }
 
@@ -688,10 +699,15 @@ impl<'a> Reader<'a> {
         // larger than one byte of file.
         let mut items = Vec::with_capacity(count.min(1 << 16));
         for index in 0..count {
-            items.push(
-                self.value(element_type, depth + 1)
-                    .map_err(|f| f.context(format_args!("array element {index}")))?,
-            );
+            let item = self.value(element_type, depth + 1);
+            // Name the element only at the outermost level, so a nested failure reads
+            // "array element 3: ..." once rather than once per level.
+            items.push(match item {
+                Err(f) if depth == 0 => {
+                    return Err(f.context(format_args!("array element {index}")))
+                }
+                other => other?,
+            });
         }
         Ok(GgufValue::Array(items))
     }
@@ -781,8 +797,7 @@ fn parse(path: &Path, bytes: &[u8]) -> Result<ParsedGguf, GgufError> {
     let mut tensor_index = HashMap::with_capacity(tensor_count);
     for index in 0..tensor_count {
         let info_start = reader.pos as u64;
-        let info = read_tensor_info(&mut reader, alignment)
-            .map_err(|f| malformed(f.context(format_args!("tensor info {index}"))))?;
+        let info = read_tensor_info(&mut reader, index, alignment).map_err(malformed)?;
         if tensor_index.insert(info.name.clone(), index).is_some() {
             return Err(malformed(Failure {
                 offset: info_start,
@@ -837,8 +852,14 @@ fn parse(path: &Path, bytes: &[u8]) -> Result<ParsedGguf, GgufError> {
     })
 }
 
-fn read_tensor_info(reader: &mut Reader<'_>, alignment: u64) -> Result<GgufTensorInfo, Failure> {
-    let name = reader.string().map_err(|f| f.context("name"))?;
+fn read_tensor_info(
+    reader: &mut Reader<'_>,
+    index: usize,
+    alignment: u64,
+) -> Result<GgufTensorInfo, Failure> {
+    let name = reader
+        .string()
+        .map_err(|f| f.context(format_args!("name of tensor info {index}")))?;
     let in_tensor = |f: Failure| f.context(format_args!("tensor {name:?}"));
     let n_dims = reader.u32().map_err(in_tensor)?;
     if n_dims as usize > GGML_MAX_DIMS {
@@ -861,7 +882,10 @@ fn read_tensor_info(reader: &mut Reader<'_>, alignment: u64) -> Result<GgufTenso
     let ggml_type = GgmlType::from_id(type_id).ok_or_else(|| {
         let hint = match removed_type_name(type_id) {
             Some(old) => format!(" ({old}, which ggml has removed; re-convert the model)"),
-            None => String::new(),
+            None => format!(
+                " (known ids: 0..={}, minus removed ones; the file may need a newer reader)",
+                GgmlType::ALL.iter().map(|t| t.id()).max().unwrap_or(0)
+            ),
         };
         in_tensor(reader.fail(format!("unknown ggml type id {type_id}{hint}")))
     })?;
