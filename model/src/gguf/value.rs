@@ -95,3 +95,57 @@ impl GgufValue {
         }
     }
 }
+
+impl GgufValue {
+    /// The GGUF metadata value type id (0..=12) this variant is written as.
+    pub fn gguf_type_id(&self) -> u32 {
+        match self {
+            GgufValue::U8(_) => 0,
+            GgufValue::I8(_) => 1,
+            GgufValue::U16(_) => 2,
+            GgufValue::I16(_) => 3,
+            GgufValue::U32(_) => 4,
+            GgufValue::I32(_) => 5,
+            GgufValue::F32(_) => 6,
+            GgufValue::Bool(_) => 7,
+            GgufValue::String(_) => 8,
+            GgufValue::Array(_) => 9,
+            GgufValue::U64(_) => 10,
+            GgufValue::I64(_) => 11,
+            GgufValue::F64(_) => 12,
+        }
+    }
+}
+
+/// Short human-readable form for messages: scalars as their value, strings quoted (long ones
+/// cut), arrays as their length and element type.
+impl std::fmt::Display for GgufValue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GgufValue::U8(v) => write!(f, "{v}"),
+            GgufValue::I8(v) => write!(f, "{v}"),
+            GgufValue::U16(v) => write!(f, "{v}"),
+            GgufValue::I16(v) => write!(f, "{v}"),
+            GgufValue::U32(v) => write!(f, "{v}"),
+            GgufValue::I32(v) => write!(f, "{v}"),
+            GgufValue::U64(v) => write!(f, "{v}"),
+            GgufValue::I64(v) => write!(f, "{v}"),
+            GgufValue::F32(v) => write!(f, "{v}"),
+            GgufValue::F64(v) => write!(f, "{v}"),
+            GgufValue::Bool(v) => write!(f, "{v}"),
+            GgufValue::String(s) => {
+                const SHOWN_CHARS: usize = 40;
+                if s.chars().count() > SHOWN_CHARS {
+                    let head: String = s.chars().take(SHOWN_CHARS).collect();
+                    write!(f, "{head:?}...")
+                } else {
+                    write!(f, "{s:?}")
+                }
+            }
+            GgufValue::Array(items) => match items.first() {
+                Some(first) => write!(f, "[array of {} {}]", items.len(), first.type_name()),
+                None => write!(f, "[empty array]"),
+            },
+        }
+    }
+}
