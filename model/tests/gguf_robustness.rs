@@ -126,6 +126,18 @@ fn short_files_and_bad_magic() {
 }
 
 #[test]
+fn missing_file_is_an_io_error_naming_the_path() {
+    let path = scratch_path("does_not_exist");
+    let _ = std::fs::remove_file(&path);
+    let err = GgufFile::open(&path).unwrap_err();
+    assert!(matches!(err, GgufError::Io { .. }));
+    assert!(
+        err.to_string().contains(&path.display().to_string()),
+        "{err}"
+    );
+}
+
+#[test]
 fn unsupported_versions() {
     let err = assert_open_fails(
         "v1",

@@ -242,7 +242,8 @@ impl GgmlType {
 
 impl fmt::Display for GgmlType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
+        // pad, not write_str, so width/alignment specifiers work in tables.
+        f.pad(self.name())
     }
 }
 
