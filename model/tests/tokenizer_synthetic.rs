@@ -533,3 +533,10 @@ fn unreadable_tokenizer_files_are_clear_errors() {
     let err = Tokenizer::from_file(&dir.0).unwrap_err();
     assert!(err.to_string().contains("generation_config.json"), "{err}");
 }
+
+#[test]
+fn tokenizer_can_be_shared_across_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Tokenizer>();
+    assert_send_sync::<TokenizerError>();
+}

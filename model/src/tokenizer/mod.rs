@@ -99,9 +99,10 @@ pub struct Tokenizer {
     /// Prepend `bos_token_id` in `encode(.., add_special_tokens = true)` because the inner
     /// tokenizer's post-processor does not already do it.
     prepend_bos: bool,
-    /// Indexed by id: whether the id decodes to something. Computed once because the inner
-    /// tokenizer can only answer this by building its whole vocabulary map.
-    id_is_known: Vec<bool>,
+    /// Every id that decodes to something, sorted. Computed once because the inner tokenizer
+    /// can only answer this by building its whole vocabulary map (and a `tokenizer.json` may
+    /// leave gaps between ids, so a bound check is not enough).
+    known_ids: Vec<u32>,
     vocab_size: usize,
     chat_template: Option<ChatTemplate>,
 }
@@ -175,18 +176,15 @@ impl Tokenizer {
 
         let vocab = inner.get_vocab(true);
         let vocab_size = vocab.len();
-        let max_id = vocab.values().copied().max();
-        let mut id_is_known = vec![false; max_id.map_or(0, |id| id as usize + 1)];
-        for &id in vocab.values() {
-            id_is_known[id as usize] = true;
-        }
+        let mut known_ids: Vec<u32> = vocab.values().copied().collect();
+        known_ids.sort_unstable();
 
-        let is_known = |id: u32| id_is_known.get(id as usize).copied().unwrap_or(false);
-        let configured_ids = bos_token_id
+        let unknown_configured_id = bos_token_id
             .iter()
             .chain(&eos_token_id)
-            .chain(&extra_eos_token_ids);
-        if let Some(&id) = configured_ids.clone().find(|&&id| !is_known(id)) {
+            .chain(&extra_eos_token_ids)
+            .find(|id| known_ids.binary_search(id).is_err());
+        if let Some(&id) = unknown_configured_id {
             return Err(TokenizerError::UnknownTokenId { id, vocab_size });
         }
 
@@ -223,7 +221,7 @@ impl Tokenizer {
             bos_token_id,
             eos_token_ids,
             prepend_bos,
-            id_is_known,
+            known_ids,
             vocab_size,
             chat_template: chat_template.map(ChatTemplate::new),
         })
@@ -261,7 +259,7 @@ impl Tokenizer {
     fn check_ids(&self, ids: &[u32]) -> Result<(), TokenizerError> {
         match ids
             .iter()
-            .find(|&&id| !self.id_is_known.get(id as usize).copied().unwrap_or(false))
+            .find(|id| self.known_ids.binary_search(id).is_err())
         {
             Some(&id) => Err(TokenizerError::UnknownTokenId {
                 id,
