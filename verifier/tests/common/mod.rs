@@ -90,6 +90,15 @@ impl TableModel {
         TableModel { vocab, depth, rows }
     }
 
+    /// Every row dense (all entries positive).
+    pub fn dense(rng: &mut ChaCha8Rng, vocab: usize, depth: usize) -> Self {
+        let rows = all_prefixes(vocab, depth)
+            .into_iter()
+            .map(|prefix| (prefix, random_row(rng, vocab, RowShape::Dense)))
+            .collect();
+        TableModel { vocab, depth, rows }
+    }
+
     /// A draft model: random rows, but some copied from `target` so P == Q cases occur.
     pub fn random_draft(rng: &mut ChaCha8Rng, target: &TableModel, depth: usize) -> Self {
         let mut model = TableModel::random(rng, target.vocab, depth, 0.1);
