@@ -192,7 +192,7 @@ fn verify_follows_the_exact_outcome_distribution() {
 
 #[test]
 fn greedy_is_deterministic_argmax_matching() {
-    let rows = vec![
+    let rows = [
         vec![0.1f32, 0.6, 0.3],
         vec![0.5, 0.0, 0.5], // tie: lowest index wins
         vec![0.0, 0.0, 1.0],
