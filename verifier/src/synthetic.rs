@@ -24,7 +24,7 @@ fn check_rate(slot: usize, value: f64) -> Result<(), VerifyError> {
 
 impl SyntheticAcceptance {
     /// The minimum-variance pattern with mean acceptance length `length` (bonus included) over
-    /// `k` slots: n = length - 1, f = floor(n), unconditional rates [1]*f + [n - f] + [0]*(k-f-1).
+    /// `k` slots: n = length - 1, f = floor(n), unconditional rates `[1]*f + [n - f] + [0]*(k-f-1)`.
     /// Every step accepts f or f + 1 drafts. `length` must be in [1, k + 1].
     pub fn from_mean_length(length: f64, k: usize) -> Result<Self, VerifyError> {
         let max = k + 1;
