@@ -4,6 +4,8 @@
 pub mod config;
 pub mod error;
 pub mod gguf;
+pub mod gguf_source;
+pub mod loader;
 pub mod kv_cache;
 pub mod source;
 pub mod tokenizer;
