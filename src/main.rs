@@ -98,7 +98,8 @@ fn load_model(args: &ModelArgs) -> Result<LoadedModel> {
         bail!("no --model given (the embedded default model does not exist yet): pass a GGUF file or an HF model directory");
     };
     let t = Instant::now();
-    let loaded = load(path, args.dtype).with_context(|| format!("loading model {}", path.display()))?;
+    let loaded =
+        load(path, args.dtype).with_context(|| format!("loading model {}", path.display()))?;
     let c = &loaded.model.config;
     eprintln!(
         "loaded {} ({}, {} layers, hidden {}, vocab {}, {:.2} B params, {} weights, {:.1} GB) in {:.1} s",
@@ -120,9 +121,15 @@ fn prompt_ids(loaded: &LoadedModel, p: &PromptArgs) -> Result<Vec<u32>> {
     let text = if p.chat {
         let mut messages = Vec::new();
         if let Some(s) = &p.system {
-            messages.push(ChatMessage { role: "system".into(), content: s.clone() });
+            messages.push(ChatMessage {
+                role: "system".into(),
+                content: s.clone(),
+            });
         }
-        messages.push(ChatMessage { role: "user".into(), content: p.prompt.clone() });
+        messages.push(ChatMessage {
+            role: "user".into(),
+            content: p.prompt.clone(),
+        });
         tok.apply_chat_template(&messages, true)?
     } else {
         p.prompt.clone()
@@ -141,9 +148,18 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     let req = GenerationRequest {
         prompt_ids: prompt_token_ids.clone(),
         max_new_tokens: a.max_tokens,
-        sampling: SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p },
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+        },
         seed: a.seed,
-        stop_token_ids: if a.ignore_eos { Vec::new() } else { loaded.eos_token_ids() },
+        stop_token_ids: if a.ignore_eos {
+            Vec::new()
+        } else {
+            loaded.eos_token_ids()
+        },
+        vocab_limit: Some(tok.vocab_size()),
     };
     let mut stream = tok.decode_stream();
     let mut stdout = std::io::stdout();
@@ -208,20 +224,45 @@ fn cmd_check_invariance(a: InvarianceArgs) -> Result<()> {
         sampling: SamplingParams::greedy(),
         seed: 0,
         stop_token_ids: Vec::new(),
+        vocab_limit: None,
     };
     let first = generate(model, &req, |_| {})?;
     let second = generate(model, &req, |_| {})?;
     let deterministic = first.token_ids == second.token_ids;
-    println!("determinism: two greedy runs of {} tokens are {}", first.token_ids.len(), if deterministic { "identical" } else { "DIFFERENT" });
+    println!(
+        "determinism: two greedy runs of {} tokens are {}",
+        first.token_ids.len(),
+        if deterministic {
+            "identical"
+        } else {
+            "DIFFERENT"
+        }
+    );
 
     // Logits of every generated position, one token per forward vs `chunk` tokens per forward.
     let per_position = |chunk: usize| -> Result<Vec<Vec<u32>>> {
         let mut cache = model.new_cache(prompt.len() + first.token_ids.len() + 1);
         let seq = cache.add_sequence();
-        model.forward(&mut cache, &[SeqInput { seq, tokens: &prompt, num_logits: 1 }], &[])?;
+        model.forward(
+            &mut cache,
+            &[SeqInput {
+                seq,
+                tokens: &prompt,
+                num_logits: 1,
+            }],
+            &[],
+        )?;
         let mut rows = Vec::new();
         for block in first.token_ids.chunks(chunk) {
-            let o = model.forward(&mut cache, &[SeqInput { seq, tokens: block, num_logits: block.len() }], &[])?;
+            let o = model.forward(
+                &mut cache,
+                &[SeqInput {
+                    seq,
+                    tokens: block,
+                    num_logits: block.len(),
+                }],
+                &[],
+            )?;
             for j in 0..block.len() {
                 rows.push(o.row(0, j).iter().map(|x| x.to_bits()).collect());
             }
@@ -252,7 +293,10 @@ fn cmd_check_invariance(a: InvarianceArgs) -> Result<()> {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     if let Some(n) = cli.threads {
-        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("setting --threads")?;
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .context("setting --threads")?;
     }
     match cli.command {
         Command::Generate(a) => cmd_generate(a),

@@ -18,6 +18,9 @@ pub struct GenerationRequest {
     pub seed: u64,
     /// Generation stops after emitting any of these (the token is kept in the output).
     pub stop_token_ids: Vec<u32>,
+    /// Only ids below this are ever sampled. Checkpoints pad the embedding past the tokenizer's
+    /// vocabulary (Qwen2.5: 151936 rows, 151665 tokens); padded ids have no text. None = all.
+    pub vocab_limit: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -57,12 +60,21 @@ pub fn validate_request(model: &Transformer, req: &GenerationRequest) -> Result<
             c.max_position_embeddings
         )));
     }
+    if req.vocab_limit == Some(0) {
+        return Err(EngineError::InvalidRequest(
+            "vocab_limit is 0: no token could be sampled".into(),
+        ));
+    }
     req.sampling.validate()?;
     Ok(())
 }
 
 /// Samples the next token from `logits` with the request's settings and random stream.
-pub fn next_token(logits: &[f32], params: &SamplingParams, rng: &mut ChaCha8Rng) -> Result<u32, EngineError> {
+pub fn next_token(
+    logits: &[f32],
+    params: &SamplingParams,
+    rng: &mut ChaCha8Rng,
+) -> Result<u32, EngineError> {
     if params.is_greedy() {
         return Ok(sampling::argmax(logits)?);
     }
@@ -80,11 +92,20 @@ pub fn generate(
     validate_request(model, req)?;
     let limit = model.config.max_position_embeddings;
     let start = Instant::now();
-    let mut cache: PagedKvCache = model.new_cache((req.prompt_ids.len() + req.max_new_tokens).min(limit));
+    let mut cache: PagedKvCache =
+        model.new_cache((req.prompt_ids.len() + req.max_new_tokens).min(limit));
     let seq = cache.add_sequence();
     let mut rng = ChaCha8Rng::seed_from_u64(req.seed);
 
-    let out = model.forward(&mut cache, &[SeqInput { seq, tokens: &req.prompt_ids, num_logits: 1 }], &[])?;
+    let out = model.forward(
+        &mut cache,
+        &[SeqInput {
+            seq,
+            tokens: &req.prompt_ids,
+            num_logits: 1,
+        }],
+        &[],
+    )?;
     let prefill = start.elapsed();
     let mut tokens = Vec::with_capacity(req.max_new_tokens);
     let mut gaps: Vec<Duration> = Vec::new();
@@ -93,7 +114,10 @@ pub fn generate(
     let mut finish = FinishReason::Length;
     let mut logits = out.row(0, 0).to_vec();
     while tokens.len() < req.max_new_tokens {
-        let t = next_token(&logits, &req.sampling, &mut rng)?;
+        let allowed = req
+            .vocab_limit
+            .map_or(logits.len(), |v| v.min(logits.len()));
+        let t = next_token(&logits[..allowed], &req.sampling, &mut rng)?;
         let now = Instant::now();
         if tokens.is_empty() {
             ttft = now - start;
@@ -114,7 +138,15 @@ pub fn generate(
             finish = FinishReason::ContextFull;
             break;
         }
-        let out = model.forward(&mut cache, &[SeqInput { seq, tokens: &[t], num_logits: 1 }], &[])?;
+        let out = model.forward(
+            &mut cache,
+            &[SeqInput {
+                seq,
+                tokens: &[t],
+                num_logits: 1,
+            }],
+            &[],
+        )?;
         logits.copy_from_slice(out.row(0, 0));
     }
     let total = last - start;
@@ -127,9 +159,17 @@ pub fn generate(
         ttft_ms: ttft.as_secs_f64() * 1e3,
         inter_token_latency: LatencySummary::from_durations(&gaps),
         total_ms: total.as_secs_f64() * 1e3,
-        decode_tokens_per_s: if decode_s > 0.0 { (tokens.len() - 1) as f64 / decode_s } else { 0.0 },
+        decode_tokens_per_s: if decode_s > 0.0 {
+            (tokens.len() - 1) as f64 / decode_s
+        } else {
+            0.0
+        },
     };
-    Ok(GenerationOutput { token_ids: tokens, finish_reason: finish, stats })
+    Ok(GenerationOutput {
+        token_ids: tokens,
+        finish_reason: finish,
+        stats,
+    })
 }
 
 #[cfg(test)]

@@ -67,8 +67,12 @@ fn unpermute_rows<T: Copy>(values: &[T], n_heads: usize, row_len: usize) -> Vec<
 impl GgufSource {
     pub fn new(file: GgufFile) -> Result<(GgufSource, ModelConfig), ModelError> {
         let config = config_from_gguf(&file)?;
-        let source =
-            GgufSource { file, arch: config.arch, num_heads: config.num_heads, num_kv_heads: config.num_kv_heads };
+        let source = GgufSource {
+            file,
+            arch: config.arch,
+            num_heads: config.num_heads,
+            num_kv_heads: config.num_kv_heads,
+        };
         Ok((source, config))
     }
 }
@@ -76,7 +80,12 @@ impl GgufSource {
 impl TensorSource for GgufSource {
     fn shape(&self, name: &str) -> Option<Vec<usize>> {
         let info = self.file.tensor_info(&gguf_name(name)?).ok()?;
-        Some(info.shape_outermost_first().into_iter().map(|d| d as usize).collect())
+        Some(
+            info.shape_outermost_first()
+                .into_iter()
+                .map(|d| d as usize)
+                .collect(),
+        )
     }
 
     fn read(&self, name: &str, prefer_bf16: bool) -> Result<TensorValues, ModelError> {
@@ -116,11 +125,19 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig, ModelError> {
     let arch = Arch::parse(arch_name)?;
     let key = |k: &str| format!("{arch_name}.{k}");
     let usize_key = |k: &str| -> Result<usize, ModelError> { Ok(f.get_u64(&key(k))? as usize) };
-    let opt_usize = |k: &str| f.metadata.get(&key(k)).and_then(|v| v.as_u64()).map(|v| v as usize);
+    let opt_usize = |k: &str| {
+        f.metadata
+            .get(&key(k))
+            .and_then(|v| v.as_u64())
+            .map(|v| v as usize)
+    };
     let hidden_size = usize_key("embedding_length")?;
     let num_heads = usize_key("attention.head_count")?;
     if num_heads == 0 {
-        return Err(ModelError::Config(format!("{}: attention.head_count is 0", f.path().display())));
+        return Err(ModelError::Config(format!(
+            "{}: attention.head_count is 0",
+            f.path().display()
+        )));
     }
     let embed = f.tensor_info("token_embd.weight")?;
     let vocab_size = embed.shape_outermost_first().first().copied().unwrap_or(0) as usize;
@@ -139,9 +156,16 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig, ModelError> {
         num_heads,
         num_kv_heads: opt_usize("attention.head_count_kv").unwrap_or(num_heads),
         head_dim: opt_usize("attention.key_length").unwrap_or(hidden_size / num_heads),
-        rms_norm_eps: f.metadata.get(&key("attention.layer_norm_rms_epsilon")).and_then(|v| v.as_f64()).unwrap_or(1e-6)
-            as f32,
-        rope_theta: f.metadata.get(&key("rope.freq_base")).and_then(|v| v.as_f64()).unwrap_or(10000.0),
+        rms_norm_eps: f
+            .metadata
+            .get(&key("attention.layer_norm_rms_epsilon"))
+            .and_then(|v| v.as_f64())
+            .unwrap_or(1e-6) as f32,
+        rope_theta: f
+            .metadata
+            .get(&key("rope.freq_base"))
+            .and_then(|v| v.as_f64())
+            .unwrap_or(10000.0),
         rope_scaling: None,
         rope_freq_factors,
         max_position_embeddings: opt_usize("context_length").unwrap_or(4096),
@@ -172,7 +196,8 @@ mod tests {
                 for j in 0..2 {
                     let dst = h * head_dim + 2 * i + j;
                     let src = h * head_dim + j * head_dim / 2 + i;
-                    permuted[dst * cols..(dst + 1) * cols].copy_from_slice(&hf[src * cols..(src + 1) * cols]);
+                    permuted[dst * cols..(dst + 1) * cols]
+                        .copy_from_slice(&hf[src * cols..(src + 1) * cols]);
                 }
             }
         }

@@ -32,7 +32,9 @@ pub struct LoadedModel {
 
 impl LoadedModel {
     pub fn tokenizer(&self) -> Result<&Tokenizer, ModelError> {
-        self.tokenizer.as_ref().ok_or_else(|| ModelError::MissingTokenizer(self.path.display().to_string()))
+        self.tokenizer
+            .as_ref()
+            .ok_or_else(|| ModelError::MissingTokenizer(self.path.display().to_string()))
     }
 
     /// Token ids that end generation: the tokenizer's plus the config's.
@@ -48,7 +50,10 @@ impl LoadedModel {
 }
 
 fn io(path: &Path) -> impl Fn(std::io::Error) -> ModelError + '_ {
-    move |source| ModelError::Io { path: path.to_path_buf(), source }
+    move |source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 fn is_gguf(path: &Path) -> Result<bool, ModelError> {
@@ -70,7 +75,10 @@ pub fn load(path: &Path, dtype: WeightDtype) -> Result<LoadedModel, ModelError> 
         return load_gguf(path, dtype);
     }
     if path.extension().is_some_and(|e| e == "safetensors") {
-        let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let dir = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
         return load_hf_dir(dir, Some(vec![path.to_path_buf()]), dtype);
     }
     Err(ModelError::UnknownFormat(format!(
@@ -82,7 +90,9 @@ pub fn load(path: &Path, dtype: WeightDtype) -> Result<LoadedModel, ModelError> 
 fn load_gguf(path: &Path, dtype: WeightDtype) -> Result<LoadedModel, ModelError> {
     let file = GgufFile::open(path)?;
     let tokenizer = if file.metadata.contains_key("tokenizer.ggml.tokens") {
-        Some(Tokenizer::from_gguf_spec(&GgufTokenizerSpec::from_gguf_metadata(&file.metadata)?)?)
+        Some(Tokenizer::from_gguf_spec(
+            &GgufTokenizerSpec::from_gguf_metadata(&file.metadata)?,
+        )?)
     } else {
         None
     };
@@ -105,10 +115,17 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
         let text = std::fs::read_to_string(&index).map_err(io(&index))?;
         let v: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| ModelError::Config(format!("{}: invalid JSON: {e}", index.display())))?;
-        let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| {
-            ModelError::Config(format!("{}: no weight_map object", index.display()))
-        })?;
-        let mut files: Vec<PathBuf> = map.values().filter_map(|f| f.as_str()).map(|f| dir.join(f)).collect();
+        let map = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| {
+                ModelError::Config(format!("{}: no weight_map object", index.display()))
+            })?;
+        let mut files: Vec<PathBuf> = map
+            .values()
+            .filter_map(|f| f.as_str())
+            .map(|f| dir.join(f))
+            .collect();
         files.sort();
         files.dedup();
         return Ok(files);
@@ -122,12 +139,19 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
     }
     files.sort();
     if files.is_empty() {
-        return Err(ModelError::UnknownFormat(format!("{}: no *.safetensors files", dir.display())));
+        return Err(ModelError::UnknownFormat(format!(
+            "{}: no *.safetensors files",
+            dir.display()
+        )));
     }
     Ok(files)
 }
 
-fn load_hf_dir(dir: &Path, files: Option<Vec<PathBuf>>, dtype: WeightDtype) -> Result<LoadedModel, ModelError> {
+fn load_hf_dir(
+    dir: &Path,
+    files: Option<Vec<PathBuf>>,
+    dtype: WeightDtype,
+) -> Result<LoadedModel, ModelError> {
     let config_path = dir.join("config.json");
     let text = std::fs::read_to_string(&config_path).map_err(io(&config_path))?;
     let config = ModelConfig::from_hf_json(&text)?;
@@ -138,6 +162,16 @@ fn load_hf_dir(dir: &Path, files: Option<Vec<PathBuf>>, dtype: WeightDtype) -> R
     let source = SafetensorsSource::open(&files)?;
     let model = Transformer::load(config, &source, dtype)?;
     let tok_path = dir.join("tokenizer.json");
-    let tokenizer = if tok_path.exists() { Some(Tokenizer::from_file(&tok_path)?) } else { None };
-    Ok(LoadedModel { model, tokenizer, format: CheckpointFormat::Safetensors, weight_files: files, path: dir.to_path_buf() })
+    let tokenizer = if tok_path.exists() {
+        Some(Tokenizer::from_file(&tok_path)?)
+    } else {
+        None
+    };
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        format: CheckpointFormat::Safetensors,
+        weight_files: files,
+        path: dir.to_path_buf(),
+    })
 }

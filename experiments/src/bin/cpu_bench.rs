@@ -21,7 +21,10 @@ struct Args {
     #[arg(long, required = true)]
     model: Vec<PathBuf>,
     /// Prompt (token ids come from the model's tokenizer).
-    #[arg(long, default_value = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")]
+    #[arg(
+        long,
+        default_value = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+    )]
     prompt: String,
     /// Tokens generated for the decode measurement.
     #[arg(long, default_value_t = 32)]
@@ -64,7 +67,8 @@ fn main() -> Result<()> {
     for path in &args.model {
         let sha256 = sha256_file(path).with_context(|| format!("hashing {}", path.display()))?;
         let t = Instant::now();
-        let loaded = load(path, WeightDtype::Auto).with_context(|| format!("loading {}", path.display()))?;
+        let loaded =
+            load(path, WeightDtype::Auto).with_context(|| format!("loading {}", path.display()))?;
         let load_s = t.elapsed().as_secs_f64();
         let (rss_after_load_mib, _) = memory_mib();
         let model = &loaded.model;
@@ -75,6 +79,7 @@ fn main() -> Result<()> {
             sampling: SamplingParams::greedy(),
             seed: 0,
             stop_token_ids: Vec::new(),
+            vocab_limit: None,
         };
         let out = generate(model, &req, |_| {})?;
 
@@ -83,12 +88,34 @@ fn main() -> Result<()> {
         let mut cache = model.new_cache(prompt.len() + out.token_ids.len() + args.verify_tokens);
         let seq = cache.add_sequence();
         let context: Vec<u32> = prompt.iter().chain(&out.token_ids).copied().collect();
-        model.forward(&mut cache, &[SeqInput { seq, tokens: &context, num_logits: 1 }], &[])?;
-        let block: Vec<u32> = out.token_ids.iter().cycle().take(args.verify_tokens).copied().collect();
+        model.forward(
+            &mut cache,
+            &[SeqInput {
+                seq,
+                tokens: &context,
+                num_logits: 1,
+            }],
+            &[],
+        )?;
+        let block: Vec<u32> = out
+            .token_ids
+            .iter()
+            .cycle()
+            .take(args.verify_tokens)
+            .copied()
+            .collect();
         let mut times = Vec::new();
         for rep in 0..=args.verify_repeats {
             let t = Instant::now();
-            model.forward(&mut cache, &[SeqInput { seq, tokens: &block, num_logits: block.len() }], &[])?;
+            model.forward(
+                &mut cache,
+                &[SeqInput {
+                    seq,
+                    tokens: &block,
+                    num_logits: block.len(),
+                }],
+                &[],
+            )?;
             let dt: Duration = t.elapsed();
             cache.truncate(seq, context.len())?;
             if rep > 0 {
@@ -148,7 +175,10 @@ fn main() -> Result<()> {
     println!("{md}");
     if let Some(prefix) = &args.out {
         let json = serde_json::json!({ "provenance": provenance, "prompt": args.prompt, "results": results });
-        std::fs::write(prefix.with_extension("json"), serde_json::to_string_pretty(&json)?)?;
+        std::fs::write(
+            prefix.with_extension("json"),
+            serde_json::to_string_pretty(&json)?,
+        )?;
         std::fs::write(prefix.with_extension("md"), md)?;
     }
     Ok(())
