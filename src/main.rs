@@ -3,12 +3,14 @@
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use serde_json::json;
-use specula_engine::{generate, GenerationRequest};
+use specula_drafters::{check_shared_vocabulary, Drafter, ModelDrafter, NgramDrafter};
+use specula_engine::{
+    generate, generate_batch, GenerationRequest, SpeculativeConfig, SpeculativeMethod,
+};
 use specula_kernels::sampling::SamplingParams;
 use specula_model::loader::{load, LoadedModel};
 use specula_model::tokenizer::ChatMessage;
 use specula_model::{SeqInput, WeightDtype};
-use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -78,6 +80,68 @@ struct GenerateArgs {
     /// Do not stop at end-of-sequence tokens.
     #[arg(long)]
     ignore_eos: bool,
+    /// Stop when the text contains this string (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    #[command(flatten)]
+    spec: SpecArgs,
+}
+
+/// Speculation flags: shorthands for fields of --speculative-config (flags override its fields).
+#[derive(Args)]
+struct SpecArgs {
+    /// Drafter: a draft model path (GGUF or HF directory sharing the target's tokenizer), `ngram`
+    /// (prompt lookup), or `none` (plain decoding, the default).
+    #[arg(long)]
+    draft: Option<String>,
+    /// Draft tokens per verify step, 1..=16.
+    #[arg(long)]
+    num_draft_tokens: Option<usize>,
+    /// Acceptance rule: greedy | standard | block | synthetic (default: greedy at temperature 0,
+    /// else standard).
+    #[arg(long)]
+    acceptance: Option<String>,
+    /// Synthetic mode: mean acceptance length L (bonus included), mapped to minimum-variance rates.
+    #[arg(long)]
+    synthetic_acceptance_length: Option<f64>,
+    /// Synthetic mode: unconditional per-position rates, comma-separated, one per draft slot.
+    #[arg(long, value_delimiter = ',')]
+    synthetic_acceptance_rates: Option<Vec<f64>>,
+    /// The whole speculative configuration as JSON, e.g. '{"method": "draft_model", "model": PATH,
+    /// "num_speculative_tokens": 7, "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 3.78}'.
+    #[arg(long)]
+    speculative_config: Option<String>,
+}
+
+impl SpecArgs {
+    fn config(&self) -> Result<SpeculativeConfig> {
+        let mut c = match &self.speculative_config {
+            Some(j) => SpeculativeConfig::from_json(j)?,
+            None => SpeculativeConfig::default(),
+        };
+        match self.draft.as_deref() {
+            None => {}
+            Some("none") => c.method = SpeculativeMethod::None,
+            Some("ngram") => c.method = SpeculativeMethod::Ngram,
+            Some(path) => {
+                c.method = SpeculativeMethod::DraftModel;
+                c.model = Some(path.to_string());
+            }
+        }
+        if let Some(k) = self.num_draft_tokens {
+            c.num_speculative_tokens = k;
+        }
+        if let Some(a) = &self.acceptance {
+            c.rejection_sample_method = Some(a.clone());
+        }
+        if let Some(l) = self.synthetic_acceptance_length {
+            c.synthetic_acceptance_length = Some(l);
+        }
+        if let Some(r) = &self.synthetic_acceptance_rates {
+            c.synthetic_acceptance_rates = Some(r.clone());
+        }
+        Ok(c)
+    }
 }
 
 #[derive(Args)]
@@ -142,8 +206,30 @@ fn prompt_ids(loaded: &LoadedModel, p: &PromptArgs) -> Result<Vec<u32>> {
 }
 
 fn cmd_generate(a: GenerateArgs) -> Result<()> {
+    let spec = a.spec.config()?;
+    let rule = spec.rule(a.temperature)?;
     let loaded = load_model(&a.model)?;
     let tok = loaded.tokenizer()?;
+    let mut drafter: Option<Box<dyn Drafter>> = match spec.method {
+        SpeculativeMethod::None => None,
+        SpeculativeMethod::Ngram => Some(Box::new(NgramDrafter::new(
+            spec.prompt_lookup_min,
+            spec.prompt_lookup_max,
+        ))),
+        SpeculativeMethod::DraftModel => {
+            let path = PathBuf::from(spec.model.as_deref().expect("rule() checked it"));
+            let draft = load(&path, a.model.dtype)
+                .with_context(|| format!("loading draft model {}", path.display()))?;
+            check_shared_vocabulary(
+                draft.model.config.vocab_size,
+                loaded.model.config.vocab_size,
+                draft.tokenizer.as_ref(),
+                Some(tok),
+            )
+            .with_context(|| format!("draft model {}", path.display()))?;
+            Some(Box::new(ModelDrafter::new(draft.model)))
+        }
+    };
     let prompt_token_ids = prompt_ids(&loaded, &a.prompt)?;
     let req = GenerationRequest {
         prompt_ids: prompt_token_ids.clone(),
@@ -160,31 +246,27 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
             loaded.eos_token_ids()
         },
         vocab_limit: Some(tok.vocab_size()),
+        stop_strings: a.stop.clone(),
+        num_draft_tokens: spec.draft_tokens(),
     };
-    let mut stream = tok.decode_stream();
-    let mut stdout = std::io::stdout();
-    if !a.json {
-        print!("{}", a.prompt.prompt);
-        stdout.flush().ok();
+    let drafter_ref: Option<&mut dyn Drafter> = match &mut drafter {
+        Some(d) => Some(&mut **d),
+        None => None,
+    };
+    let out = generate_batch(
+        &loaded.model,
+        drafter_ref,
+        &rule,
+        std::slice::from_ref(&req),
+        Some(tok),
+    )?;
+    let run = out.run;
+    let out = out.outputs.into_iter().next().expect("one request");
+    let mut text = tok.decode(&out.token_ids, true)?;
+    // Like serving APIs, the stop string itself is not part of the returned text.
+    if let Some(cut) = a.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+        text.truncate(cut);
     }
-    let mut stream_err = None;
-    let out = generate(&loaded.model, &req, |t| {
-        if a.json || stream_err.is_some() {
-            return;
-        }
-        match stream.push(t) {
-            Ok(Some(s)) => {
-                print!("{s}");
-                stdout.flush().ok();
-            }
-            Ok(None) => {}
-            Err(e) => stream_err = Some(e),
-        }
-    })?;
-    if let Some(e) = stream_err {
-        return Err(e).context("detokenizing");
-    }
-    let text = tok.decode(&out.token_ids, true)?;
     if a.json {
         let v = json!({
             "text": text,
@@ -192,20 +274,34 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
             "prompt_token_ids": prompt_token_ids,
             "finish_reason": out.finish_reason,
             "stats": out.stats,
+            "run": run,
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
-        println!();
+        println!("{}{}", a.prompt.prompt, text);
         let s = &out.stats;
+        let spec_line = match &s.speculative {
+            Some(sp) if sp.drafter != "none" => format!(
+                "; {} acceptance ({}, {} drafter, k={}): AL {:.2} over {} verify steps; draft {:.0} ms, verify {:.0} ms",
+                sp.acceptance_mode,
+                sp.acceptance_rule,
+                sp.drafter,
+                sp.num_draft_tokens,
+                sp.acceptance_length.unwrap_or(f64::NAN),
+                sp.num_verify_steps,
+                sp.draft_ms,
+                sp.verify_ms
+            ),
+            _ => String::new(),
+        };
         eprintln!(
-            "[{} prompt tokens, {} generated ({:?}); TTFT {:.0} ms; inter-token median {:.1} ms, P90 {:.1} ms; {:.2} tok/s decode]",
+            "[{} prompt tokens, {} generated ({:?}); TTFT {:.0} ms; {:.2} tok/s decode{}]",
             s.prompt_tokens,
             s.generated_tokens,
             out.finish_reason,
             s.ttft_ms,
-            s.inter_token_latency.median_ms,
-            s.inter_token_latency.p90_ms,
-            s.decode_tokens_per_s
+            s.decode_tokens_per_s,
+            spec_line
         );
     }
     Ok(())
@@ -225,6 +321,8 @@ fn cmd_check_invariance(a: InvarianceArgs) -> Result<()> {
         seed: 0,
         stop_token_ids: Vec::new(),
         vocab_limit: None,
+        stop_strings: Vec::new(),
+        num_draft_tokens: 0,
     };
     let first = generate(model, &req, |_| {})?;
     let second = generate(model, &req, |_| {})?;

@@ -1,1 +1,74 @@
-//! Drafters: the `Drafter` trait and its implementations (issue 3).
+//! Drafters propose tokens for the target to verify. One trait, `Drafter`; implementations:
+//! `NgramDrafter` (prompt lookup, no model) and `ModelDrafter` (an independent small model sharing the
+//! target's tokenizer).
+//!
+//! A drafter keeps its own per-sequence state (token history, KV cache). The engine tells it what was
+//! committed after each verify step; the drafter rolls back whatever it had speculated past that.
+
+mod model_drafter;
+mod ngram;
+
+pub use model_drafter::{check_shared_vocabulary, ModelDrafter};
+pub use ngram::NgramDrafter;
+
+use specula_kernels::sampling::SamplingParams;
+use specula_verifier::UniformSource;
+
+/// Identifies a sequence across the engine, the target cache and every drafter.
+pub type SeqKey = u64;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DraftError {
+    #[error("drafter has no sequence {0}")]
+    UnknownSequence(SeqKey),
+    #[error("sequence {0} is already registered with the drafter")]
+    DuplicateSequence(SeqKey),
+    #[error("draft model: {0}")]
+    Model(#[from] specula_model::ModelError),
+    #[error("draft model sampling: {0}")]
+    Sampling(#[from] specula_kernels::sampling::SamplingError),
+    #[error("draft model and target do not share a vocabulary: {0}")]
+    VocabularyMismatch(String),
+}
+
+/// What one sequence asks of the drafter in one step.
+pub struct DraftRequest<'a> {
+    pub seq: SeqKey,
+    /// Propose at most this many tokens (may be 0).
+    pub max_tokens: usize,
+    /// The target's sampling settings: a drafter with distributions applies them to its own logits
+    /// so that p and q are processed identically.
+    pub sampling: SamplingParams,
+    /// Only ids below this may be proposed (see `GenerationRequest::vocab_limit`).
+    pub vocab_limit: usize,
+    /// The request's random stream, for drafters that sample.
+    pub uniforms: &'a mut dyn UniformSource,
+}
+
+/// Proposed tokens for one sequence, with their draft distributions when the drafter has them
+/// (`probs[i]` is q for slot i, over `vocab_limit` ids, already processed with the sampling settings).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DraftProposal {
+    pub tokens: Vec<u32>,
+    pub probs: Option<Vec<Vec<f32>>>,
+}
+
+pub trait Drafter: Send {
+    /// Short name for reports ("ngram", "draft_model").
+    fn name(&self) -> &str;
+
+    /// Starts tracking a sequence whose committed tokens so far are `tokens` (the prompt, or the
+    /// prompt plus tokens emitted before the drafter joined).
+    fn add_sequence(&mut self, seq: SeqKey, tokens: &[u32]) -> Result<(), DraftError>;
+
+    fn remove_sequence(&mut self, seq: SeqKey) -> Result<(), DraftError>;
+
+    /// Proposes tokens continuing each sequence's committed tokens. One proposal per request, in order.
+    fn propose(
+        &mut self,
+        requests: &mut [DraftRequest<'_>],
+    ) -> Result<Vec<DraftProposal>, DraftError>;
+
+    /// Appends tokens the engine committed (accepted drafts plus the target's token) to a sequence.
+    fn commit(&mut self, seq: SeqKey, tokens: &[u32]) -> Result<(), DraftError>;
+}

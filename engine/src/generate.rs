@@ -21,6 +21,10 @@ pub struct GenerationRequest {
     /// Only ids below this are ever sampled. Checkpoints pad the embedding past the tokenizer's
     /// vocabulary (Qwen2.5: 151936 rows, 151665 tokens); padded ids have no text. None = all.
     pub vocab_limit: Option<usize>,
+    /// Generation stops once the text contains any of these (speculative loop; needs a tokenizer).
+    pub stop_strings: Vec<String>,
+    /// Draft tokens per verify step for this request (0..=16; 0 = plain decoding).
+    pub num_draft_tokens: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -164,6 +168,7 @@ pub fn generate(
         } else {
             0.0
         },
+        speculative: None,
     };
     Ok(GenerationOutput {
         token_ids: tokens,

@@ -2,6 +2,7 @@
 //! TTFT includes prefill; inter-token latency is the gap between consecutive emitted tokens.
 
 use serde::Serialize;
+use specula_verifier::AcceptanceCounter;
 use std::time::Duration;
 
 #[derive(Debug, Clone, Default, Serialize, PartialEq)]
@@ -47,4 +48,68 @@ pub struct GenerationStats {
     /// Generated tokens after the first, per second of decode time (decode-only throughput of this
     /// single request).
     pub decode_tokens_per_s: f64,
+    /// Present when the request ran through the speculative loop.
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub speculative: Option<SpeculativeStats>,
+}
+
+/// Per-position acceptance rates (slot 1 first); see reference.md section 3.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct PerPositionAcceptance {
+    /// Fraction of verify steps whose accepted prefix reaches slot i.
+    pub unconditional: Vec<f64>,
+    /// The same, given slot i-1 was reached (None when slot i-1 was never reached).
+    pub conditional: Vec<Option<f64>>,
+}
+
+impl PerPositionAcceptance {
+    pub fn from_counter(c: &AcceptanceCounter) -> Self {
+        PerPositionAcceptance {
+            unconditional: c.unconditional_rates(),
+            conditional: c.conditional_rates(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct SpeculativeStats {
+    /// "natural" (the rule decided) or "synthetic" (acceptance forced); never mixed in one report.
+    pub acceptance_mode: String,
+    pub acceptance_rule: String,
+    pub drafter: String,
+    pub num_draft_tokens: usize,
+    pub num_verify_steps: u64,
+    pub drafted_tokens: u64,
+    pub accepted_tokens: u64,
+    /// AL: tokens emitted per verify step, bonus token included (= 1 + accepted / steps).
+    pub acceptance_length: Option<f64>,
+    pub per_position_acceptance: PerPositionAcceptance,
+    pub draft_ms: f64,
+    pub verify_ms: f64,
+}
+
+impl SpeculativeStats {
+    pub fn new(
+        mode: &str,
+        rule: &str,
+        drafter: &str,
+        k: usize,
+        c: &AcceptanceCounter,
+        draft: Duration,
+        verify: Duration,
+    ) -> Self {
+        SpeculativeStats {
+            acceptance_mode: mode.into(),
+            acceptance_rule: rule.into(),
+            drafter: drafter.into(),
+            num_draft_tokens: k,
+            num_verify_steps: c.steps(),
+            drafted_tokens: c.drafted_tokens(),
+            accepted_tokens: c.accepted_tokens(),
+            acceptance_length: c.mean_acceptance_length(),
+            per_position_acceptance: PerPositionAcceptance::from_counter(c),
+            draft_ms: draft.as_secs_f64() * 1e3,
+            verify_ms: verify.as_secs_f64() * 1e3,
+        }
+    }
 }

@@ -80,6 +80,8 @@ fn main() -> Result<()> {
             seed: 0,
             stop_token_ids: Vec::new(),
             vocab_limit: None,
+            stop_strings: Vec::new(),
+            num_draft_tokens: 0,
         };
         let out = generate(model, &req, |_| {})?;
 

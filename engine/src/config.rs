@@ -1,0 +1,198 @@
+//! The speculative configuration in the JSON shape serving engines use
+//! (`{"method": "draft_model", "model": PATH, "num_speculative_tokens": 7,
+//!   "rejection_sample_method": "standard", "synthetic_acceptance_length": 3.78}`).
+
+use crate::EngineError;
+use serde::{Deserialize, Serialize};
+use specula_verifier::{AcceptanceRule, SyntheticAcceptance};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SpeculativeMethod {
+    /// No speculation: plain decoding.
+    None,
+    /// Prompt lookup (n-gram matching in the sequence's own history).
+    Ngram,
+    /// An independent draft model sharing the target's tokenizer.
+    DraftModel,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SpeculativeConfig {
+    pub method: SpeculativeMethod,
+    /// Draft model path (method draft_model).
+    #[serde(default)]
+    pub model: Option<String>,
+    #[serde(default = "default_k")]
+    pub num_speculative_tokens: usize,
+    /// greedy | standard | block | synthetic. Default: greedy at temperature 0, else standard.
+    #[serde(default)]
+    pub rejection_sample_method: Option<String>,
+    #[serde(default)]
+    pub synthetic_acceptance_length: Option<f64>,
+    /// Unconditional per-position rates (non-increasing), one per draft slot.
+    #[serde(default)]
+    pub synthetic_acceptance_rates: Option<Vec<f64>>,
+    #[serde(default = "default_min_n")]
+    pub prompt_lookup_min: usize,
+    #[serde(default = "default_max_n")]
+    pub prompt_lookup_max: usize,
+}
+
+fn default_k() -> usize {
+    5
+}
+fn default_min_n() -> usize {
+    1
+}
+fn default_max_n() -> usize {
+    4
+}
+
+impl Default for SpeculativeConfig {
+    fn default() -> Self {
+        SpeculativeConfig {
+            method: SpeculativeMethod::None,
+            model: None,
+            num_speculative_tokens: default_k(),
+            rejection_sample_method: None,
+            synthetic_acceptance_length: None,
+            synthetic_acceptance_rates: None,
+            prompt_lookup_min: default_min_n(),
+            prompt_lookup_max: default_max_n(),
+        }
+    }
+}
+
+impl SpeculativeConfig {
+    pub fn from_json(text: &str) -> Result<SpeculativeConfig, EngineError> {
+        serde_json::from_str(text)
+            .map_err(|e| EngineError::InvalidRequest(format!("--speculative-config: {e}")))
+    }
+
+    /// Draft tokens per step: 0 without speculation.
+    pub fn draft_tokens(&self) -> usize {
+        if self.method == SpeculativeMethod::None {
+            0
+        } else {
+            self.num_speculative_tokens
+        }
+    }
+
+    /// Checks the combination and builds the acceptance rule for a given temperature.
+    pub fn rule(&self, temperature: f32) -> Result<AcceptanceRule, EngineError> {
+        let bad = |m: String| Err(EngineError::InvalidRequest(m));
+        let k = self.num_speculative_tokens;
+        if self.method != SpeculativeMethod::None && !(1..=16).contains(&k) {
+            return bad(format!("num_speculative_tokens must be in 1..=16, got {k}"));
+        }
+        if self.method == SpeculativeMethod::DraftModel && self.model.is_none() {
+            return bad(
+                "method draft_model needs a draft model path (\"model\" or --draft PATH)".into(),
+            );
+        }
+        let name = match &self.rejection_sample_method {
+            Some(n) => n.as_str(),
+            None if self.synthetic_acceptance_length.is_some()
+                || self.synthetic_acceptance_rates.is_some() =>
+            {
+                "synthetic"
+            }
+            None if temperature == 0.0 => "greedy",
+            None => "standard",
+        };
+        if name != "synthetic"
+            && (self.synthetic_acceptance_length.is_some()
+                || self.synthetic_acceptance_rates.is_some())
+        {
+            return bad(format!(
+                "synthetic acceptance settings given with rejection_sample_method {name:?}"
+            ));
+        }
+        if self.method == SpeculativeMethod::None {
+            if name == "synthetic" {
+                return bad(
+                    "synthetic acceptance needs a drafter (method ngram or draft_model)".into(),
+                );
+            }
+            // Zero drafts: the standard rule with k = 0 is exactly plain sampling (greedy at T = 0).
+            return Ok(AcceptanceRule::Standard);
+        }
+        match name {
+            "greedy" if temperature != 0.0 => {
+                bad(format!("the greedy acceptance rule needs temperature 0 (got {temperature}); use standard or block"))
+            }
+            "greedy" => Ok(AcceptanceRule::Greedy),
+            "standard" => Ok(AcceptanceRule::Standard),
+            "block" => Ok(AcceptanceRule::Block),
+            "synthetic" => {
+                let s = match (self.synthetic_acceptance_length, &self.synthetic_acceptance_rates) {
+                    (Some(l), None) => SyntheticAcceptance::from_mean_length(l, k)?,
+                    (None, Some(r)) if r.len() == k => SyntheticAcceptance::from_unconditional_rates(r)?,
+                    (None, Some(r)) => {
+                        return bad(format!("{} synthetic acceptance rates for {k} draft tokens", r.len()))
+                    }
+                    (Some(_), Some(_)) => {
+                        return bad("give synthetic_acceptance_length or synthetic_acceptance_rates, not both".into())
+                    }
+                    (None, None) => {
+                        return bad("synthetic acceptance needs synthetic_acceptance_length or synthetic_acceptance_rates".into())
+                    }
+                };
+                Ok(AcceptanceRule::Synthetic(s))
+            }
+            other => bad(format!("unknown rejection_sample_method {other:?} (greedy, standard, block, synthetic)")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_serving_shape_and_checks_combinations() {
+        let c = SpeculativeConfig::from_json(
+            r#"{"method": "draft_model", "model": "d.gguf", "num_speculative_tokens": 7,
+                "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 3.78}"#,
+        )
+        .unwrap();
+        match c.rule(0.0).unwrap() {
+            AcceptanceRule::Synthetic(s) => {
+                let u = s.unconditional_rates();
+                assert_eq!(u.len(), 7);
+                assert!((u[2] - 0.78).abs() < 1e-12);
+            }
+            r => panic!("{}", r.name()),
+        }
+        assert!(SpeculativeConfig::from_json(r#"{"method": "eagle"}"#).is_err());
+        assert!(SpeculativeConfig::from_json(r#"{"method": "ngram", "typo": 1}"#).is_err());
+        let ngram = SpeculativeConfig::from_json(r#"{"method": "ngram"}"#).unwrap();
+        assert_eq!(
+            ngram.rule(0.0).unwrap().name(),
+            AcceptanceRule::Greedy.name()
+        );
+        assert_eq!(
+            ngram.rule(0.8).unwrap().name(),
+            AcceptanceRule::Standard.name()
+        );
+        let greedy_hot = SpeculativeConfig {
+            rejection_sample_method: Some("greedy".into()),
+            ..ngram.clone()
+        };
+        assert!(greedy_hot.rule(0.8).is_err());
+        assert!(SpeculativeConfig {
+            num_speculative_tokens: 17,
+            ..ngram.clone()
+        }
+        .rule(0.0)
+        .is_err());
+        assert!(SpeculativeConfig {
+            method: SpeculativeMethod::DraftModel,
+            ..ngram.clone()
+        }
+        .rule(0.0)
+        .is_err());
+    }
+}
