@@ -283,9 +283,19 @@ fn corrupt_checkpoints_are_clear_errors() {
 /// A tiny HF model directory with a byte-level tokenizer (256 byte tokens, no merges) and a short
 /// context, so the CLI can be driven end to end.
 fn model_dir_with_tokenizer(tmp: &Path, context: usize) -> PathBuf {
+    model_dir_with_tokenizer_named(tmp, "tiny", context, false)
+}
+
+/// `shuffled` assigns the byte tokens in reverse order: the same size, a different vocabulary.
+fn model_dir_with_tokenizer_named(
+    tmp: &Path,
+    name: &str,
+    context: usize,
+    shuffled: bool,
+) -> PathBuf {
     use tokenizers::models::bpe::BPE;
     use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-    let dir = tmp.join("tiny");
+    let dir = tmp.join(name);
     std::fs::create_dir_all(&dir).unwrap();
     let cfg = std::fs::read_to_string(fixture_dir("qwen2").join("config.json")).unwrap();
     std::fs::write(
@@ -303,6 +313,9 @@ fn model_dir_with_tokenizer(tmp: &Path, context: usize) -> PathBuf {
     .unwrap();
     let mut alphabet: Vec<char> = ByteLevel::alphabet().into_iter().collect();
     alphabet.sort_unstable();
+    if shuffled {
+        alphabet.reverse();
+    }
     let mut vocab = tokenizers::models::bpe::Vocab::default();
     for (id, c) in alphabet.into_iter().enumerate() {
         vocab.insert(c.to_string(), id as u32);
@@ -429,4 +442,121 @@ fn cli_generates_and_refuses_bad_requests_clearly() {
         !ok && stderr.contains("/nonexistent/model.gguf"),
         "{stderr}"
     );
+}
+
+#[test]
+fn cli_speculation_matches_plain_and_refuses_mismatched_vocabularies() {
+    let tmp = TempDir::new("cli-spec");
+    let dir = model_dir_with_tokenizer(&tmp.0, 64);
+    let d = dir.to_str().unwrap();
+    let ids = |args: &[&str]| -> serde_json::Value {
+        let (ok, stdout, stderr) = run_cli(args);
+        assert!(ok, "{stderr}");
+        serde_json::from_str(&stdout).unwrap()
+    };
+    let base = [
+        "generate",
+        "--model",
+        d,
+        "--prompt",
+        "abcabcabc",
+        "--max-tokens",
+        "12",
+        "--json",
+    ];
+    let plain = ids(&base);
+    assert!(plain["stats"].get("acceptance_length").is_some());
+    for extra in [
+        vec!["--draft", "ngram", "--num-draft-tokens", "3"],
+        vec![
+            "--draft",
+            d,
+            "--num-draft-tokens",
+            "4",
+            "--acceptance",
+            "block",
+        ],
+        vec![
+            "--speculative-config",
+            r#"{"method": "ngram", "num_speculative_tokens": 2}"#,
+        ],
+    ] {
+        let args: Vec<&str> = base.iter().copied().chain(extra.iter().copied()).collect();
+        let spec = ids(&args);
+        assert_eq!(spec["token_ids"], plain["token_ids"], "{extra:?}");
+        assert_eq!(spec["stats"]["acceptance_mode"], "natural");
+        assert!(spec["stats"]["num_verify_steps"].as_u64().unwrap() >= 1);
+        assert!(spec["stats"]["per_position_acceptance"]["unconditional"].is_array());
+    }
+    // Synthetic acceptance is labelled as such.
+    let args: Vec<&str> = base
+        .iter()
+        .copied()
+        .chain([
+            "--draft",
+            d,
+            "--num-draft-tokens",
+            "7",
+            "--synthetic-acceptance-length",
+            "3.78",
+        ])
+        .collect();
+    assert_eq!(ids(&args)["stats"]["acceptance_mode"], "synthetic");
+    // Stop strings end generation and are cut from the text.
+    let text = plain["text"].as_str().unwrap().to_string();
+    let chars: Vec<char> = text.chars().collect();
+    if chars.len() >= 6 {
+        let stop: String = chars[3..5].iter().collect();
+        let args: Vec<&str> = base
+            .iter()
+            .copied()
+            .chain(["--stop", stop.as_str()])
+            .collect();
+        let stopped = ids(&args);
+        let cut = text.find(&stop).unwrap();
+        assert_eq!(stopped["text"].as_str().unwrap(), &text[..cut]);
+        assert_eq!(stopped["finish_reason"], "stop");
+    }
+    // A draft model with another vocabulary is refused.
+    let other = model_dir_with_tokenizer_named(&tmp.0, "other", 64, true);
+    let args: Vec<&str> = base
+        .iter()
+        .copied()
+        .chain(["--draft", other.to_str().unwrap()])
+        .collect();
+    let (ok, _, stderr) = run_cli(&args);
+    assert!(
+        !ok && stderr.contains("do not share a vocabulary"),
+        "{stderr}"
+    );
+    // Bad speculative settings are clear errors.
+    for (extra, needle) in [
+        (
+            vec!["--draft", "ngram", "--num-draft-tokens", "17"],
+            "1..=16",
+        ),
+        (
+            vec![
+                "--draft",
+                "ngram",
+                "--acceptance",
+                "greedy",
+                "--temperature",
+                "0.7",
+            ],
+            "temperature 0",
+        ),
+        (
+            vec!["--draft", "ngram", "--synthetic-acceptance-length", "9"],
+            "acceptance length",
+        ),
+        (
+            vec!["--speculative-config", "{\"method\": 1}"],
+            "speculative-config",
+        ),
+    ] {
+        let args: Vec<&str> = base.iter().copied().chain(extra.iter().copied()).collect();
+        let (ok, _, stderr) = run_cli(&args);
+        assert!(!ok && stderr.contains(needle), "{extra:?}: {stderr}");
+    }
 }
