@@ -36,7 +36,8 @@ enum Command {
 #[derive(Args)]
 struct ModelArgs {
     /// A GGUF file, an HF model directory (config.json + *.safetensors + tokenizer.json), or a
-    /// .safetensors file with config.json beside it.
+    /// .safetensors file with config.json beside it. Default: the embedded default target
+    /// (models/default/target; with no --draft it drafts with models/default/draft).
     #[arg(long)]
     model: Option<PathBuf>,
     /// Weight storage: auto (f32 checkpoints stay f32, the rest bf16), f32 or bf16.
@@ -114,11 +115,19 @@ struct SpecArgs {
 }
 
 impl SpecArgs {
-    fn config(&self) -> Result<SpeculativeConfig> {
+    /// `default_draft`: the drafter used when neither --draft nor --speculative-config is given
+    /// (the embedded default draft when the target is the embedded default target).
+    fn config(&self, default_draft: Option<PathBuf>) -> Result<SpeculativeConfig> {
         let mut c = match &self.speculative_config {
             Some(j) => SpeculativeConfig::from_json(j)?,
             None => SpeculativeConfig::default(),
         };
+        if self.draft.is_none() && self.speculative_config.is_none() {
+            if let Some(d) = default_draft {
+                c.method = SpeculativeMethod::DraftModel;
+                c.model = Some(d.display().to_string());
+            }
+        }
         match self.draft.as_deref() {
             None => {}
             Some("none") => c.method = SpeculativeMethod::None,
@@ -157,10 +166,18 @@ struct InvarianceArgs {
     chunk: usize,
 }
 
+/// The embedded default pair: `$SPECULA_DEFAULT_MODELS` or `models/default` of the source tree
+/// this binary was built from.
+fn default_models_dir() -> PathBuf {
+    match std::env::var_os("SPECULA_DEFAULT_MODELS") {
+        Some(d) => PathBuf::from(d),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/default"),
+    }
+}
+
 fn load_model(args: &ModelArgs) -> Result<LoadedModel> {
-    let Some(path) = &args.model else {
-        bail!("no --model given (the embedded default model does not exist yet): pass a GGUF file or an HF model directory");
-    };
+    let default_target = default_models_dir().join("target");
+    let path = args.model.as_ref().unwrap_or(&default_target);
     let t = Instant::now();
     let loaded =
         load(path, args.dtype).with_context(|| format!("loading model {}", path.display()))?;
@@ -206,7 +223,8 @@ fn prompt_ids(loaded: &LoadedModel, p: &PromptArgs) -> Result<Vec<u32>> {
 }
 
 fn cmd_generate(a: GenerateArgs) -> Result<()> {
-    let spec = a.spec.config()?;
+    let default_draft = a.model.model.is_none().then(|| default_models_dir().join("draft"));
+    let spec = a.spec.config(default_draft)?;
     let rule = spec.rule(a.temperature)?;
     let loaded = load_model(&a.model)?;
     let tok = loaded.tokenizer()?;
