@@ -223,7 +223,11 @@ fn prompt_ids(loaded: &LoadedModel, p: &PromptArgs) -> Result<Vec<u32>> {
 }
 
 fn cmd_generate(a: GenerateArgs) -> Result<()> {
-    let default_draft = a.model.model.is_none().then(|| default_models_dir().join("draft"));
+    let default_draft = a
+        .model
+        .model
+        .is_none()
+        .then(|| default_models_dir().join("draft"));
     let spec = a.spec.config(default_draft)?;
     let rule = spec.rule(a.temperature)?;
     let loaded = load_model(&a.model)?;

@@ -3,6 +3,8 @@
 //! other tokens or sequences share the call (greedy speculative decoding is exact only because of this).
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod matrix;
 pub mod sampling;
 

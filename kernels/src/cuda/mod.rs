@@ -1,0 +1,151 @@
+//! CUDA backend (feature `cuda`): kernels from `kernels/cuda/*.cu`, compiled at start with NVRTC for the
+//! device's architecture, through cudarc with dynamic loading so that building needs neither a CUDA toolkit
+//! nor a GPU. Every entry point checks that the driver and NVRTC libraries exist before touching them
+//! (cudarc panics on a missing library otherwise) and reports what is missing and that the CPU backend is
+//! the fallback.
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+use std::sync::Arc;
+
+/// Every `.cu` source of the backend, by file name.
+pub const KERNEL_SOURCES: &[(&str, &str)] =
+    &[("decoder.cu", include_str!("../../cuda/decoder.cu"))];
+
+/// The kernels `decoder.cu` must export (checked at load so a rename fails at start, not mid-step).
+pub const DECODER_KERNELS: &[&str] = &[
+    "embed_rows",
+    "rms_norm",
+    "head_rms_norm",
+    "f32_to_bf16_rows",
+    "add_bias_rows",
+    "add_in_place",
+    "rope_neox",
+    "kv_append",
+    "attention",
+    "swiglu",
+    "argmax_rows",
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error("no CUDA driver library (libcuda) found: this machine has no usable NVIDIA driver; use the CPU backend")]
+    NoDriver,
+    #[error("the CUDA driver reports no GPU; use the CPU backend")]
+    NoDevice,
+    #[error("no NVRTC library (libnvrtc) found: install the CUDA runtime compiler (e.g. `pip install nvidia-cuda-nvrtc` and add its lib directory to LD_LIBRARY_PATH); use the CPU backend meanwhile")]
+    NoNvrtc,
+    #[error("GPU architecture {0} is not one this backend compiles for (sm_80, sm_86, sm_89, sm_90, sm_90a, sm_100a, sm_103a)")]
+    UnsupportedArch(String),
+    #[error("NVRTC failed to compile {file} for {arch}: {log}")]
+    Compile {
+        file: String,
+        arch: String,
+        log: String,
+    },
+    #[error("CUDA driver: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+}
+
+/// True when libcuda can be loaded.
+pub fn driver_available() -> bool {
+    // SAFETY: only tries to dlopen the library.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// True when libnvrtc can be loaded.
+pub fn nvrtc_available() -> bool {
+    // SAFETY: only tries to dlopen the library.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// NVRTC wants a `&'static str` architecture; map the ones we build for.
+pub fn arch_name(arch: &str) -> Result<&'static str, CudaError> {
+    Ok(match arch {
+        "sm_80" => "sm_80",
+        "sm_86" => "sm_86",
+        "sm_89" => "sm_89",
+        "sm_90" => "sm_90",
+        "sm_90a" => "sm_90a",
+        "sm_100a" => "sm_100a",
+        "sm_103a" => "sm_103a",
+        other => return Err(CudaError::UnsupportedArch(other.to_string())),
+    })
+}
+
+/// Compiles every kernel source for `arch` (e.g. "sm_90"). Used at start on the GPU machine and by CI
+/// without a GPU so the sources cannot rot.
+pub fn compile_all(arch: &str) -> Result<Vec<(&'static str, Ptx)>, CudaError> {
+    if !nvrtc_available() {
+        return Err(CudaError::NoNvrtc);
+    }
+    let arch = arch_name(arch)?;
+    KERNEL_SOURCES
+        .iter()
+        .map(|(file, src)| {
+            let opts = CompileOptions {
+                arch: Some(arch),
+                // Keep IEEE division/sqrt and no FMA contraction surprises beyond what the source asks:
+                // parity with the CPU reference matters more than the last percent.
+                prec_div: Some(true),
+                prec_sqrt: Some(true),
+                ftz: Some(false),
+                name: Some(file.to_string()),
+                ..Default::default()
+            };
+            compile_ptx_with_opts(src, opts)
+                .map(|ptx| (*file, ptx))
+                .map_err(|e| CudaError::Compile {
+                    file: file.to_string(),
+                    arch: arch.to_string(),
+                    log: e.to_string(),
+                })
+        })
+        .collect()
+}
+
+/// A GPU ready to run the decoder kernels: context, stream, and the compiled module.
+pub struct GpuDevice {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub module: Arc<CudaModule>,
+    pub name: String,
+    pub arch: String,
+}
+
+impl GpuDevice {
+    /// Opens GPU `ordinal`, compiles the kernels for its architecture, and checks every kernel exists.
+    pub fn new(ordinal: usize) -> Result<GpuDevice, CudaError> {
+        if !driver_available() {
+            return Err(CudaError::NoDriver);
+        }
+        if CudaContext::device_count()? <= ordinal as i32 {
+            return Err(CudaError::NoDevice);
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        // CUDA-graph capture needs this before any allocation (otherwise capture fails with
+        // CUDA_ERROR_STREAM_CAPTURE_ISOLATION).
+        // SAFETY: called before any allocation or launch on this context.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx.compute_capability()?;
+        let arch = format!("sm_{major}{minor}");
+        let ptx = compile_all(&arch)?;
+        let (_, decoder) = ptx.into_iter().next().expect("one source");
+        let module = ctx.load_module(decoder)?;
+        for k in DECODER_KERNELS {
+            module.load_function(k)?;
+        }
+        let stream = ctx.default_stream();
+        Ok(GpuDevice {
+            name: ctx.name()?,
+            ctx,
+            stream,
+            module,
+            arch,
+        })
+    }
+
+    pub fn function(&self, name: &str) -> Result<CudaFunction, CudaError> {
+        Ok(self.module.load_function(name)?)
+    }
+}
