@@ -43,6 +43,9 @@ pub struct PromptSetSpec {
     /// Keep only lines whose `category` is listed (empty: all lines).
     #[serde(default)]
     pub categories: Vec<String>,
+    /// Overrides the experiment's prompts-per-dataset cap for this set.
+    #[serde(default)]
+    pub num_prompts: Option<usize>,
 }
 
 impl PromptSetSpec {
@@ -52,6 +55,7 @@ impl PromptSetSpec {
             name: None,
             group_by_category: false,
             categories: Vec::new(),
+            num_prompts: None,
         }
     }
 
@@ -130,6 +134,7 @@ pub fn read_prompt_set(
     let file = spec.path.display().to_string();
     let is_jsonl = spec.path.extension().is_some_and(|e| e == "jsonl");
     let base = spec.dataset_name();
+    let num_prompts = spec.num_prompts.unwrap_or(num_prompts);
     let mut datasets: Vec<(String, Vec<Prompt>)> = Vec::new();
     for (i, line) in text.lines().enumerate() {
         let line_no = i + 1;
