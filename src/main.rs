@@ -7,12 +7,12 @@ use specula_drafters::{check_shared_vocabulary, Drafter, ModelDrafter, NgramDraf
 use specula_engine::{
     generate, generate_batch, GenerationRequest, SpeculativeConfig, SpeculativeMethod,
 };
-use specula_kernels::sampling::SamplingParams;
-use specula_model::loader::{load, LoadedModel};
 use specula_experiments::acceptance::{
     export_golden, run_acceptance, AcceptanceConfig, ChatMode, GoldenSelection, RunOptions,
 };
 use specula_experiments::prompts::{BadLinePolicy, PromptSetSpec};
+use specula_kernels::sampling::SamplingParams;
+use specula_model::loader::{load, LoadedModel};
 use specula_model::tokenizer::ChatMessage;
 use specula_model::{SeqInput, WeightDtype};
 use std::path::PathBuf;
@@ -321,7 +321,11 @@ fn prompt_ids(loaded: &LoadedModel, p: &PromptArgs) -> Result<Vec<u32>> {
 }
 
 fn cmd_generate(a: GenerateArgs) -> Result<()> {
-    let default_draft = a.model.model.is_none().then(|| default_models_dir().join("draft"));
+    let default_draft = a
+        .model
+        .model
+        .is_none()
+        .then(|| default_models_dir().join("draft"));
     let spec = a.spec.config(default_draft)?;
     let rule = spec.rule(a.temperature)?;
     let loaded = load_model(&a.model)?;

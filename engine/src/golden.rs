@@ -33,12 +33,16 @@ pub struct GoldenAcceptance {
 impl GoldenAcceptance {
     /// Reads a golden file and checks that it can drive a synthetic run with `k` draft slots.
     pub fn load_for(path: &Path, k: usize) -> Result<GoldenAcceptance, EngineError> {
-        let bad = |m: String| EngineError::InvalidRequest(format!("golden file {}: {m}", path.display()));
+        let bad =
+            |m: String| EngineError::InvalidRequest(format!("golden file {}: {m}", path.display()));
         let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
-        let golden: GoldenAcceptance =
-            serde_json::from_str(&text).map_err(|e| bad(format!("not a golden acceptance file: {e}")))?;
+        let golden: GoldenAcceptance = serde_json::from_str(&text)
+            .map_err(|e| bad(format!("not a golden acceptance file: {e}")))?;
         if golden.format != GOLDEN_FORMAT {
-            return Err(bad(format!("format {:?}, expected {GOLDEN_FORMAT:?}", golden.format)));
+            return Err(bad(format!(
+                "format {:?}, expected {GOLDEN_FORMAT:?}",
+                golden.format
+            )));
         }
         if golden.acceptance_mode != "natural" {
             return Err(bad(format!(

@@ -140,7 +140,8 @@ impl AcceptanceConfig {
         if self.num_prompts == 0 || self.max_new_tokens == 0 || self.batch_size == 0 {
             return bad("num_prompts, max_new_tokens and batch_size must be at least 1");
         }
-        if self.rules.iter().any(|r| r == "synthetic") != self.synthetic_acceptance_rates_from.is_some()
+        if self.rules.iter().any(|r| r == "synthetic")
+            != self.synthetic_acceptance_rates_from.is_some()
         {
             return bad("the synthetic rule and synthetic_acceptance_rates_from go together");
         }
@@ -265,7 +266,10 @@ pub struct RunOptions {
     pub show_progress: bool,
 }
 
-fn resolve_drafter(spec: &str, default_models_dir: &Path) -> Result<Option<PathBuf>, ExperimentError> {
+fn resolve_drafter(
+    spec: &str,
+    default_models_dir: &Path,
+) -> Result<Option<PathBuf>, ExperimentError> {
     match spec {
         "ngram" => Ok(None),
         "embedded" => Ok(Some(default_models_dir.join("draft"))),
@@ -371,7 +375,10 @@ fn check_or_write_manifest(dir: &Path, manifest: &Value) -> Result<(), Experimen
 
 /// Every result line in a results file. A last line cut short by an interruption is dropped (and
 /// cut from the file when `repair` is set, so appending continues on a line boundary).
-pub fn read_results(dir: &Path, repair: bool) -> Result<(Vec<PromptResult>, Vec<Value>), ExperimentError> {
+pub fn read_results(
+    dir: &Path,
+    repair: bool,
+) -> Result<(Vec<PromptResult>, Vec<Value>), ExperimentError> {
     let path = dir.join(RESULTS_FILE);
     if !path.exists() {
         return Ok((Vec::new(), Vec::new()));
@@ -396,11 +403,19 @@ pub fn read_results(dir: &Path, repair: bool) -> Result<(Vec<PromptResult>, Vec<
     let mut sessions = Vec::new();
     for (i, line) in text.lines().enumerate() {
         let value: Value = serde_json::from_str(line).map_err(|e| {
-            ExperimentError::Config(format!("{}:{}: corrupt result line: {e}", path.display(), i + 1))
+            ExperimentError::Config(format!(
+                "{}:{}: corrupt result line: {e}",
+                path.display(),
+                i + 1
+            ))
         })?;
         match value.get("kind").and_then(Value::as_str) {
             Some("result") => results.push(serde_json::from_value(value).map_err(|e| {
-                ExperimentError::Config(format!("{}:{}: corrupt result line: {e}", path.display(), i + 1))
+                ExperimentError::Config(format!(
+                    "{}:{}: corrupt result line: {e}",
+                    path.display(),
+                    i + 1
+                ))
             })?),
             Some("session") | Some("session_end") => sessions.push(value),
             _ => {
@@ -442,7 +457,10 @@ fn encode_prompt(tok: &Tokenizer, chat: ChatMode, p: &Prompt) -> Result<Vec<u32>
         .encode(&text, true)
         .map_err(|e| ExperimentError::Model(e.into()))?;
     if ids.is_empty() {
-        return Err(ExperimentError::Config(format!("{}: the prompt encodes to no tokens", p.source)));
+        return Err(ExperimentError::Config(format!(
+            "{}: the prompt encodes to no tokens",
+            p.source
+        )));
     }
     Ok(ids)
 }
@@ -468,11 +486,19 @@ pub struct RunReport {
 }
 
 /// Runs (or resumes) the sweep and rewrites summary, table and plots.
-pub fn run_acceptance(config: &AcceptanceConfig, opts: &RunOptions) -> Result<RunReport, ExperimentError> {
+pub fn run_acceptance(
+    config: &AcceptanceConfig,
+    opts: &RunOptions,
+) -> Result<RunReport, ExperimentError> {
     let started = Instant::now();
     config.validate()?;
     let mut bad_lines = Vec::new();
-    let datasets = read_prompt_sets(&config.prompt_sets, config.num_prompts, config.on_bad_line, &mut bad_lines)?;
+    let datasets = read_prompt_sets(
+        &config.prompt_sets,
+        config.num_prompts,
+        config.on_bad_line,
+        &mut bad_lines,
+    )?;
     for b in &bad_lines {
         eprintln!("skipping bad prompt line {b}");
     }
@@ -489,7 +515,10 @@ pub fn run_acceptance(config: &AcceptanceConfig, opts: &RunOptions) -> Result<Ru
         .collect();
 
     // The settings that are valid, and why the others are left out.
-    let dtype: WeightDtype = config.dtype.parse().map_err(|e| ExperimentError::Config(format!("dtype: {e}")))?;
+    let dtype: WeightDtype = config
+        .dtype
+        .parse()
+        .map_err(|e| ExperimentError::Config(format!("dtype: {e}")))?;
     let mut settings: Vec<(Setting, AcceptanceRule)> = Vec::new();
     let mut skipped_settings = Vec::new();
     for drafter in &config.drafters {
@@ -574,8 +603,10 @@ pub fn run_acceptance(config: &AcceptanceConfig, opts: &RunOptions) -> Result<Ru
         ProgressBar::hidden()
     };
     bar.set_style(
-        ProgressStyle::with_template("{bar:40} {pos}/{len} prompts, {elapsed} elapsed, ETA {eta} {msg}")
-            .expect("the template is valid"),
+        ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} prompts, {elapsed} elapsed, ETA {eta} {msg}",
+        )
+        .expect("the template is valid"),
     );
     let mut written = 0;
     if pending > 0 {
@@ -586,7 +617,11 @@ pub fn run_acceptance(config: &AcceptanceConfig, opts: &RunOptions) -> Result<Ru
         let tok = target.tokenizer()?;
         let encoded: Vec<Vec<Vec<u32>>> = datasets
             .iter()
-            .map(|(_, ps)| ps.iter().map(|p| encode_prompt(tok, config.chat, p)).collect())
+            .map(|(_, ps)| {
+                ps.iter()
+                    .map(|p| encode_prompt(tok, config.chat, p))
+                    .collect()
+            })
             .collect::<Result<_, _>>()?;
         for drafter_spec in &config.drafters {
             let mut drafter = make_drafter(drafter_spec, &opts.default_models_dir, dtype, &target)?;
@@ -594,7 +629,9 @@ pub fn run_acceptance(config: &AcceptanceConfig, opts: &RunOptions) -> Result<Ru
                 bar.set_message(setting.key());
                 for ((_, prompts), ids) in datasets.iter().zip(&encoded) {
                     let todo: Vec<usize> = (0..prompts.len())
-                        .filter(|&i| !done.contains(&(setting.key(), prompts[i].dataset.clone(), i)))
+                        .filter(|&i| {
+                            !done.contains(&(setting.key(), prompts[i].dataset.clone(), i))
+                        })
                         .collect();
                     for chunk in todo.chunks(config.batch_size) {
                         let requests: Vec<GenerationRequest> = chunk
@@ -624,7 +661,9 @@ pub fn run_acceptance(config: &AcceptanceConfig, opts: &RunOptions) -> Result<Ru
                         let share = out.run.wall_ms / chunk.len() as f64;
                         for (&i, o) in chunk.iter().zip(&out.outputs) {
                             let sp = o.stats.speculative.as_ref().ok_or_else(|| {
-                                ExperimentError::Config("a speculative run returned no speculative stats".into())
+                                ExperimentError::Config(
+                                    "a speculative run returned no speculative stats".into(),
+                                )
                             })?;
                             let line = PromptResult {
                                 kind: "result".into(),
@@ -637,7 +676,8 @@ pub fn run_acceptance(config: &AcceptanceConfig, opts: &RunOptions) -> Result<Ru
                                 source: prompts[i].source.clone(),
                                 prompt_tokens: o.stats.prompt_tokens,
                                 generated_tokens: o.stats.generated_tokens,
-                                finish_reason: serde_json::to_value(o.finish_reason).unwrap_or(Value::Null),
+                                finish_reason: serde_json::to_value(o.finish_reason)
+                                    .unwrap_or(Value::Null),
                                 acceptance_length: sp.acceptance_length,
                                 num_verify_steps: sp.num_verify_steps,
                                 accepted_tokens: sp.accepted_tokens,
@@ -684,7 +724,10 @@ fn make_drafter(
     match resolve_drafter(spec, default_models_dir)? {
         None => {
             let d = SpeculativeConfig::default();
-            Ok(Box::new(NgramDrafter::new(d.prompt_lookup_min, d.prompt_lookup_max)))
+            Ok(Box::new(NgramDrafter::new(
+                d.prompt_lookup_min,
+                d.prompt_lookup_max,
+            )))
         }
         Some(path) => {
             let draft = load(&path, dtype).map_err(|e| ExperimentError::Load {
@@ -728,20 +771,35 @@ impl Group {
         )
     }
     fn slug(&self) -> String {
-        format!("{}_T{}_{}_{}", self.drafter, self.temperature_bits, self.rule, self.mode)
-            .chars()
-            .map(|c| if c.is_ascii_alphanumeric() || c == '.' || c == '_' { c } else { '-' })
-            .collect()
+        format!(
+            "{}_T{}_{}_{}",
+            self.drafter, self.temperature_bits, self.rule, self.mode
+        )
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '.' || c == '_' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect()
     }
 }
 
 pub const POOLED: &str = "all (pooled)";
 
 /// Merges results into counts per group -> k -> dataset (plus the pooled row).
-fn merge(results: &[PromptResult]) -> BTreeMap<Group, BTreeMap<usize, BTreeMap<String, MergedCounts>>> {
+fn merge(
+    results: &[PromptResult],
+) -> BTreeMap<Group, BTreeMap<usize, BTreeMap<String, MergedCounts>>> {
     let mut out: BTreeMap<Group, BTreeMap<usize, BTreeMap<String, MergedCounts>>> = BTreeMap::new();
     for r in results {
-        let by_dataset = out.entry(Group::of(r)).or_default().entry(r.setting.k).or_default();
+        let by_dataset = out
+            .entry(Group::of(r))
+            .or_default()
+            .entry(r.setting.k)
+            .or_default();
         by_dataset.entry(r.dataset.clone()).or_default().add(r);
         by_dataset.entry(POOLED.into()).or_default().add(r);
     }
@@ -807,16 +865,38 @@ pub fn write_reports(dir: &Path, report: Option<&RunReport>) -> Result<(), Exper
         let path = dir.join(name);
         std::fs::write(&path, text).map_err(|e| ExperimentError::Io { path, source: e })
     };
-    write("summary.json", serde_json::to_string_pretty(&summary).expect("JSON") + "\n")?;
-    write("table.md", markdown_tables(&merged, &dataset_order, &manifest, &sessions, sessions_wall_s, report))?;
+    write(
+        "summary.json",
+        serde_json::to_string_pretty(&summary).expect("JSON") + "\n",
+    )?;
+    write(
+        "table.md",
+        markdown_tables(
+            &merged,
+            &dataset_order,
+            &manifest,
+            &sessions,
+            sessions_wall_s,
+            report,
+        ),
+    )?;
     let plots = dir.join("plots");
     std::fs::create_dir_all(&plots).map_err(|e| ExperimentError::Io {
         path: plots.clone(),
         source: e,
     })?;
     for (group, by_k) in &merged {
-        crate::plots::per_position(&plots.join(format!("per_position_{}.svg", group.slug())), &group.title(), by_k)?;
-        crate::plots::al_vs_k(&plots.join(format!("al_vs_k_{}.svg", group.slug())), &group.title(), by_k, &dataset_order)?;
+        crate::plots::per_position(
+            &plots.join(format!("per_position_{}.svg", group.slug())),
+            &group.title(),
+            by_k,
+        )?;
+        crate::plots::al_vs_k(
+            &plots.join(format!("al_vs_k_{}.svg", group.slug())),
+            &group.title(),
+            by_k,
+            &dataset_order,
+        )?;
     }
     Ok(())
 }
@@ -836,7 +916,9 @@ fn markdown_tables(
     let mut s = String::from("# Acceptance length per dataset and draft length\n\n");
     s.push_str("AL = tokens emitted per target verify step, bonus token included (1 + accepted drafts / verify steps). ");
     s.push_str("Per-position rates are unconditional (fraction of verify steps whose accepted prefix reaches the slot). ");
-    s.push_str("Counts are merged exactly over prompts (pooled, not a mean of per-prompt ALs).\n\n");
+    s.push_str(
+        "Counts are merged exactly over prompts (pooled, not a mean of per-prompt ALs).\n\n",
+    );
     let config = &manifest["config"];
     s.push_str(&format!(
         "Config: max_new_tokens {}, {} prompts per dataset, chat {}, seed {}, batch size {}. Target `{}`.\n\n",
@@ -858,14 +940,21 @@ fn markdown_tables(
             }
             s.push_str(&format!("| {d} |"));
             for k in &ks {
-                s.push_str(&format!(" {} |", fmt_opt(by_k[k].get(d).and_then(MergedCounts::acceptance_length))));
+                s.push_str(&format!(
+                    " {} |",
+                    fmt_opt(by_k[k].get(d).and_then(MergedCounts::acceptance_length))
+                ));
             }
             s.push('\n');
         }
         s.push_str("\nPer-position unconditional acceptance (slot 1 first), all datasets pooled:\n\n| k | AL | rates | verify steps | wall s |\n|---:|---:|---|---:|---:|\n");
         for k in &ks {
             let c = &by_k[k][POOLED];
-            let rates: Vec<String> = c.unconditional_rates().iter().map(|r| format!("{r:.3}")).collect();
+            let rates: Vec<String> = c
+                .unconditional_rates()
+                .iter()
+                .map(|r| format!("{r:.3}"))
+                .collect();
             s.push_str(&format!(
                 "| {k} | {} | {} | {} | {:.1} |\n",
                 fmt_opt(c.acceptance_length()),
@@ -886,13 +975,19 @@ fn markdown_tables(
             "- session {}: git {}{}, {}, {} ({} cores)\n",
             sess["session"].as_str().unwrap_or("?"),
             p["git_revision"].as_str().unwrap_or("?"),
-            if p["git_dirty"] == true { " (dirty)" } else { "" },
+            if p["git_dirty"] == true {
+                " (dirty)"
+            } else {
+                ""
+            },
             p["machine"].as_str().unwrap_or("?"),
             p["cpu"].as_str().unwrap_or("?"),
             p["cores"]
         ));
     }
-    s.push_str(&format!("\nWall time over all sessions: {sessions_wall_s:.1} s.\n"));
+    s.push_str(&format!(
+        "\nWall time over all sessions: {sessions_wall_s:.1} s.\n"
+    ));
     if let Some(r) = report {
         if !r.skipped_settings.is_empty() {
             s.push_str("\nSettings left out:\n\n");
@@ -901,7 +996,10 @@ fn markdown_tables(
             }
         }
         if !r.bad_lines.is_empty() {
-            s.push_str(&format!("\n{} bad prompt lines skipped:\n\n", r.bad_lines.len()));
+            s.push_str(&format!(
+                "\n{} bad prompt lines skipped:\n\n",
+                r.bad_lines.len()
+            ));
             for b in &r.bad_lines {
                 s.push_str(&format!("- {b}\n"));
             }
@@ -924,10 +1022,16 @@ pub struct GoldenSelection {
 }
 
 /// Natural per-position rates of the selected results, exactly merged, as a golden file.
-pub fn export_golden(dir: &Path, sel: &GoldenSelection) -> Result<GoldenAcceptance, ExperimentError> {
+pub fn export_golden(
+    dir: &Path,
+    sel: &GoldenSelection,
+) -> Result<GoldenAcceptance, ExperimentError> {
     let (results, sessions) = read_results(dir, false)?;
     if results.is_empty() {
-        return Err(ExperimentError::Golden(format!("{} has no results", dir.display())));
+        return Err(ExperimentError::Golden(format!(
+            "{} has no results",
+            dir.display()
+        )));
     }
     let chosen: Vec<&PromptResult> = results
         .iter()
@@ -940,17 +1044,27 @@ pub fn export_golden(dir: &Path, sel: &GoldenSelection) -> Result<GoldenAcceptan
         })
         .collect();
     if chosen.is_empty() {
-        let available: HashSet<String> = results.iter().map(|r| format!("{} [{}]", r.setting_key, r.dataset)).collect();
+        let available: HashSet<String> = results
+            .iter()
+            .map(|r| format!("{} [{}]", r.setting_key, r.dataset))
+            .collect();
         let mut available: Vec<_> = available.into_iter().collect();
         available.sort();
         return Err(ExperimentError::Golden(format!(
             "no results for drafter {} k={} T={} rule {:?} dataset {:?}; available: {}",
-            sel.drafter, sel.k, sel.temperature, sel.rule, sel.dataset, available.join(", ")
+            sel.drafter,
+            sel.k,
+            sel.temperature,
+            sel.rule,
+            sel.dataset,
+            available.join(", ")
         )));
     }
     let rules: HashSet<&str> = chosen.iter().map(|r| r.setting.rule.as_str()).collect();
     if rules.len() > 1 {
-        return Err(ExperimentError::Golden(format!("results from several rules {rules:?}: choose one with --rule")));
+        return Err(ExperimentError::Golden(format!(
+            "results from several rules {rules:?}: choose one with --rule"
+        )));
     }
     if let Some(r) = chosen.iter().find(|r| r.acceptance_mode != "natural") {
         return Err(ExperimentError::Golden(format!(
@@ -975,15 +1089,28 @@ pub fn export_golden(dir: &Path, sel: &GoldenSelection) -> Result<GoldenAcceptan
         .and_then(|t| serde_json::from_str(&t).ok())
         .unwrap_or(Value::Null);
     let mut extra = serde_json::Map::new();
-    extra.insert("expected_length_from_rates".into(), json!(1.0 + rates.iter().sum::<f64>()));
+    extra.insert(
+        "expected_length_from_rates".into(),
+        json!(1.0 + rates.iter().sum::<f64>()),
+    );
     extra.insert("prompts".into(), json!(counts.prompts));
-    extra.insert("accepted_histogram".into(), json!(counts.accepted_histogram));
-    extra.insert("slot_drafted_steps".into(), json!(counts.slot_drafted_steps));
+    extra.insert(
+        "accepted_histogram".into(),
+        json!(counts.accepted_histogram),
+    );
+    extra.insert(
+        "slot_drafted_steps".into(),
+        json!(counts.slot_drafted_steps),
+    );
     extra.insert("source_results".into(), json!(dir.display().to_string()));
     extra.insert("source_manifest".into(), manifest);
     extra.insert(
         "source_sessions".into(),
-        json!(sessions.iter().filter(|s| s["kind"] == "session").map(|s| &s["provenance"]).collect::<Vec<_>>()),
+        json!(sessions
+            .iter()
+            .filter(|s| s["kind"] == "session")
+            .map(|s| &s["provenance"])
+            .collect::<Vec<_>>()),
     );
     extra.insert("export_provenance".into(), json!(Provenance::collect()));
     Ok(GoldenAcceptance {

@@ -162,11 +162,17 @@ pub fn hash_model_files(path: &Path) -> Result<BTreeMap<String, String>, Experim
             .collect();
         entries.sort();
         for p in entries {
-            let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            let name = p
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
             out.insert(name, sha256_file_cached(&p).map_err(io(&p))?);
         }
     } else {
-        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
         out.insert(name, sha256_file_cached(path).map_err(io(path))?);
     }
     Ok(out)

@@ -36,7 +36,9 @@ fn line_chart(
         chart
             .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?
             .label(label.as_str())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+            });
         chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, color.filled())))?;
     }
     chart
@@ -100,7 +102,11 @@ pub fn al_vs_k(
         .map(|d| {
             let points = by_k
                 .iter()
-                .filter_map(|(k, m)| m.get(d).and_then(MergedCounts::acceptance_length).map(|al| (*k as f64, al)))
+                .filter_map(|(k, m)| {
+                    m.get(d)
+                        .and_then(MergedCounts::acceptance_length)
+                        .map(|al| (*k as f64, al))
+                })
                 .collect::<Vec<_>>();
             (d.clone(), points)
         })

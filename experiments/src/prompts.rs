@@ -164,7 +164,9 @@ pub fn read_prompt_set(
             }
         };
         if !spec.categories.is_empty()
-            && !category.as_ref().is_some_and(|c| spec.categories.contains(c))
+            && !category
+                .as_ref()
+                .is_some_and(|c| spec.categories.contains(c))
         {
             continue;
         }

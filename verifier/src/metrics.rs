@@ -191,7 +191,9 @@ mod tests {
         // Slot i accepted iff a >= i: rates from the histogram equal the counter's own.
         let h = a.accepted_histogram();
         let from_hist: Vec<f64> = (0..3)
-            .map(|slot| h[slot + 1..].iter().sum::<u64>() as f64 / a.slot_drafted_steps()[slot] as f64)
+            .map(|slot| {
+                h[slot + 1..].iter().sum::<u64>() as f64 / a.slot_drafted_steps()[slot] as f64
+            })
             .collect();
         assert_eq!(from_hist, a.unconditional_rates());
     }
