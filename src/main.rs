@@ -7,6 +7,10 @@ use specula_drafters::{check_shared_vocabulary, Drafter, ModelDrafter, NgramDraf
 use specula_engine::{
     generate, generate_batch, GenerationRequest, SpeculativeConfig, SpeculativeMethod,
 };
+use specula_experiments::acceptance::{
+    export_golden, run_acceptance, AcceptanceConfig, ChatMode, GoldenSelection, RunOptions,
+};
+use specula_experiments::prompts::{BadLinePolicy, PromptSetSpec};
 use specula_kernels::sampling::SamplingParams;
 use specula_model::loader::{load, LoadedModel};
 use specula_model::tokenizer::ChatMessage;
@@ -24,6 +28,8 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once per process: the size of the largest variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Generate text from a prompt.
@@ -31,6 +37,93 @@ enum Command {
     /// Check that greedy generation is deterministic and that feeding the generated tokens
     /// k at a time gives bit-identical logits to feeding them one at a time.
     CheckInvariance(InvarianceArgs),
+    /// Experiments: acceptance sweeps and golden acceptance files.
+    #[command(subcommand)]
+    Experiment(ExperimentCommand),
+}
+
+#[derive(Subcommand)]
+enum ExperimentCommand {
+    /// Sweep drafter x draft length x temperature x rule x prompt set; resumable; writes
+    /// results.jsonl, summary.json, table.md and plots/ into --out.
+    Acceptance(AcceptanceArgs),
+    /// Write the natural per-position rates of one setting of a results directory as a golden
+    /// acceptance file for --synthetic-acceptance-rates-from.
+    ExportGolden(ExportGoldenArgs),
+}
+
+/// Flags override the fields of --config.
+#[derive(Args)]
+struct AcceptanceArgs {
+    /// A .json or .toml file with the AcceptanceConfig fields.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Output directory (resumed when it holds a run of the same configuration).
+    #[arg(long)]
+    out: PathBuf,
+    /// Target model (default: the embedded default target).
+    #[arg(long)]
+    target: Option<PathBuf>,
+    /// Drafters: embedded | ngram | draft_model:PATH (comma-separated or repeated).
+    #[arg(long, value_delimiter = ',')]
+    drafters: Vec<String>,
+    #[arg(long, value_delimiter = ',')]
+    draft_lengths: Vec<usize>,
+    #[arg(long, value_delimiter = ',')]
+    temperatures: Vec<f32>,
+    /// greedy | standard | block | synthetic (greedy runs at T = 0, standard/block at T > 0).
+    #[arg(long, value_delimiter = ',')]
+    rules: Vec<String>,
+    /// Prompt files: JSONL with {"turns": [...]} (first turn used) or plain text, one prompt a line.
+    #[arg(long = "prompts")]
+    prompt_sets: Vec<PathBuf>,
+    /// One dataset per "category" of each JSONL prompt file (Spec-Bench).
+    #[arg(long)]
+    by_category: bool,
+    /// Keep only these categories (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    categories: Vec<String>,
+    #[arg(long)]
+    num_prompts: Option<usize>,
+    #[arg(long)]
+    max_new_tokens: Option<usize>,
+    /// auto | on | off.
+    #[arg(long)]
+    chat: Option<String>,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Requests per generate_batch call.
+    #[arg(long)]
+    batch_size: Option<usize>,
+    /// skip | fail: what to do with a malformed prompt line.
+    #[arg(long)]
+    on_bad_line: Option<String>,
+    /// Synthetic run: the unconditional rates of this golden file (rule synthetic).
+    #[arg(long)]
+    synthetic_acceptance_rates_from: Option<PathBuf>,
+    #[arg(long)]
+    no_progress: bool,
+}
+
+#[derive(Args)]
+struct ExportGoldenArgs {
+    /// A results directory of `specula experiment acceptance`.
+    #[arg(long)]
+    from: PathBuf,
+    #[arg(long)]
+    drafter: String,
+    #[arg(long)]
+    k: usize,
+    #[arg(long)]
+    temperature: f32,
+    /// Needed only when the directory has several rules for this drafter, k and temperature.
+    #[arg(long)]
+    rule: Option<String>,
+    /// One dataset (default: all datasets pooled).
+    #[arg(long)]
+    dataset: Option<String>,
+    #[arg(long)]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -108,6 +201,10 @@ struct SpecArgs {
     /// Synthetic mode: unconditional per-position rates, comma-separated, one per draft slot.
     #[arg(long, value_delimiter = ',')]
     synthetic_acceptance_rates: Option<Vec<f64>>,
+    /// Synthetic mode: the unconditional rates of a golden acceptance file exported by
+    /// `specula experiment export-golden` (natural measurements only; its k must match).
+    #[arg(long)]
+    synthetic_acceptance_rates_from: Option<PathBuf>,
     /// The whole speculative configuration as JSON, e.g. '{"method": "draft_model", "model": PATH,
     /// "num_speculative_tokens": 7, "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 3.78}'.
     #[arg(long)]
@@ -148,6 +245,9 @@ impl SpecArgs {
         }
         if let Some(r) = &self.synthetic_acceptance_rates {
             c.synthetic_acceptance_rates = Some(r.clone());
+        }
+        if let Some(f) = &self.synthetic_acceptance_rates_from {
+            c.synthetic_acceptance_rates_from = Some(f.display().to_string());
         }
         Ok(c)
     }
@@ -410,6 +510,119 @@ fn cmd_check_invariance(a: InvarianceArgs) -> Result<()> {
     Ok(())
 }
 
+fn acceptance_config(a: &AcceptanceArgs) -> Result<AcceptanceConfig> {
+    let mut c = match &a.config {
+        Some(path) => AcceptanceConfig::from_file(path)?,
+        None => AcceptanceConfig {
+            target: None,
+            drafters: vec!["embedded".into()],
+            draft_lengths: vec![5],
+            temperatures: vec![0.0],
+            rules: vec!["greedy".into(), "standard".into()],
+            prompt_sets: Vec::new(),
+            num_prompts: 20,
+            max_new_tokens: 128,
+            chat: ChatMode::Auto,
+            seed: 0,
+            batch_size: 1,
+            on_bad_line: BadLinePolicy::Fail,
+            dtype: "auto".into(),
+            synthetic_acceptance_rates_from: None,
+        },
+    };
+    if a.target.is_some() {
+        c.target = a.target.clone();
+    }
+    if !a.drafters.is_empty() {
+        c.drafters = a.drafters.clone();
+    }
+    if !a.draft_lengths.is_empty() {
+        c.draft_lengths = a.draft_lengths.clone();
+    }
+    if !a.temperatures.is_empty() {
+        c.temperatures = a.temperatures.clone();
+    }
+    if !a.rules.is_empty() {
+        c.rules = a.rules.clone();
+    }
+    if !a.prompt_sets.is_empty() {
+        c.prompt_sets = a.prompt_sets.iter().map(PromptSetSpec::from_path).collect();
+    }
+    for s in &mut c.prompt_sets {
+        s.group_by_category |= a.by_category;
+        if !a.categories.is_empty() {
+            s.categories = a.categories.clone();
+        }
+    }
+    if c.prompt_sets.is_empty() {
+        bail!("no prompt sets: give --prompts FILE or prompt_sets in --config");
+    }
+    c.num_prompts = a.num_prompts.unwrap_or(c.num_prompts);
+    c.max_new_tokens = a.max_new_tokens.unwrap_or(c.max_new_tokens);
+    c.seed = a.seed.unwrap_or(c.seed);
+    c.batch_size = a.batch_size.unwrap_or(c.batch_size);
+    if let Some(m) = &a.chat {
+        c.chat = m.parse().map_err(anyhow::Error::msg)?;
+    }
+    if let Some(p) = &a.on_bad_line {
+        c.on_bad_line = p.parse().map_err(anyhow::Error::msg)?;
+    }
+    if let Some(g) = &a.synthetic_acceptance_rates_from {
+        c.synthetic_acceptance_rates_from = Some(g.clone());
+        c.rules = vec!["synthetic".into()];
+    }
+    Ok(c)
+}
+
+fn cmd_experiment(e: ExperimentCommand) -> Result<()> {
+    match e {
+        ExperimentCommand::Acceptance(a) => {
+            let config = acceptance_config(&a)?;
+            let opts = RunOptions {
+                out_dir: a.out.clone(),
+                default_models_dir: default_models_dir(),
+                show_progress: !a.no_progress,
+            };
+            let report = run_acceptance(&config, &opts)
+                .with_context(|| format!("acceptance experiment into {}", a.out.display()))?;
+            eprintln!(
+                "{} results written ({} already present), {} settings left out, {} bad prompt lines skipped, {:.1} s; see {}",
+                report.results_written,
+                report.results_already_present,
+                report.skipped_settings.len(),
+                report.bad_lines.len(),
+                report.wall_s,
+                a.out.join("table.md").display()
+            );
+            Ok(())
+        }
+        ExperimentCommand::ExportGolden(a) => {
+            let golden = export_golden(
+                &a.from,
+                &GoldenSelection {
+                    drafter: a.drafter,
+                    k: a.k,
+                    temperature: a.temperature,
+                    rule: a.rule,
+                    dataset: a.dataset,
+                },
+            )
+            .with_context(|| format!("exporting a golden file from {}", a.from.display()))?;
+            std::fs::write(&a.out, serde_json::to_string_pretty(&golden)? + "\n")
+                .with_context(|| format!("writing {}", a.out.display()))?;
+            eprintln!(
+                "golden file {}: natural AL {:.3} over {} verify steps, k = {}, unconditional rates {:?}",
+                a.out.display(),
+                golden.acceptance_length,
+                golden.num_verify_steps,
+                golden.num_speculative_tokens,
+                golden.unconditional_rates
+            );
+            Ok(())
+        }
+    }
+}
+
 fn main() -> Result<()> {
     let cli = Cli::parse();
     if let Some(n) = cli.threads {
@@ -421,5 +634,6 @@ fn main() -> Result<()> {
     match cli.command {
         Command::Generate(a) => cmd_generate(a),
         Command::CheckInvariance(a) => cmd_check_invariance(a),
+        Command::Experiment(e) => cmd_experiment(e),
     }
 }

@@ -2,7 +2,7 @@
 //! (`{"method": "draft_model", "model": PATH, "num_speculative_tokens": 7,
 //!   "rejection_sample_method": "standard", "synthetic_acceptance_length": 3.78}`).
 
-use crate::EngineError;
+use crate::{EngineError, GoldenAcceptance};
 use serde::{Deserialize, Serialize};
 use specula_verifier::{AcceptanceRule, SyntheticAcceptance};
 
@@ -34,6 +34,10 @@ pub struct SpeculativeConfig {
     /// Unconditional per-position rates (non-increasing), one per draft slot.
     #[serde(default)]
     pub synthetic_acceptance_rates: Option<Vec<f64>>,
+    /// A golden acceptance file (natural rates exported from an experiment run) whose unconditional
+    /// rates drive the synthetic rule; its k must equal num_speculative_tokens.
+    #[serde(default)]
+    pub synthetic_acceptance_rates_from: Option<String>,
     #[serde(default = "default_min_n")]
     pub prompt_lookup_min: usize,
     #[serde(default = "default_max_n")]
@@ -59,6 +63,7 @@ impl Default for SpeculativeConfig {
             rejection_sample_method: None,
             synthetic_acceptance_length: None,
             synthetic_acceptance_rates: None,
+            synthetic_acceptance_rates_from: None,
             prompt_lookup_min: default_min_n(),
             prompt_lookup_max: default_max_n(),
         }
@@ -92,20 +97,16 @@ impl SpeculativeConfig {
                 "method draft_model needs a draft model path (\"model\" or --draft PATH)".into(),
             );
         }
+        let has_synthetic_settings = self.synthetic_acceptance_length.is_some()
+            || self.synthetic_acceptance_rates.is_some()
+            || self.synthetic_acceptance_rates_from.is_some();
         let name = match &self.rejection_sample_method {
             Some(n) => n.as_str(),
-            None if self.synthetic_acceptance_length.is_some()
-                || self.synthetic_acceptance_rates.is_some() =>
-            {
-                "synthetic"
-            }
+            None if has_synthetic_settings => "synthetic",
             None if temperature == 0.0 => "greedy",
             None => "standard",
         };
-        if name != "synthetic"
-            && (self.synthetic_acceptance_length.is_some()
-                || self.synthetic_acceptance_rates.is_some())
-        {
+        if name != "synthetic" && has_synthetic_settings {
             return bad(format!(
                 "synthetic acceptance settings given with rejection_sample_method {name:?}"
             ));
@@ -127,6 +128,20 @@ impl SpeculativeConfig {
             "standard" => Ok(AcceptanceRule::Standard),
             "block" => Ok(AcceptanceRule::Block),
             "synthetic" => {
+                let given = [
+                    self.synthetic_acceptance_length.is_some(),
+                    self.synthetic_acceptance_rates.is_some(),
+                    self.synthetic_acceptance_rates_from.is_some(),
+                ];
+                if given.iter().filter(|&&g| g).count() > 1 {
+                    return bad("give one of synthetic_acceptance_length, synthetic_acceptance_rates, synthetic_acceptance_rates_from".into());
+                }
+                if let Some(path) = &self.synthetic_acceptance_rates_from {
+                    let golden = GoldenAcceptance::load_for(std::path::Path::new(path), k)?;
+                    return Ok(AcceptanceRule::Synthetic(
+                        SyntheticAcceptance::from_unconditional_rates(&golden.unconditional_rates)?,
+                    ));
+                }
                 let s = match (self.synthetic_acceptance_length, &self.synthetic_acceptance_rates) {
                     (Some(l), None) => SyntheticAcceptance::from_mean_length(l, k)?,
                     (None, Some(r)) if r.len() == k => SyntheticAcceptance::from_unconditional_rates(r)?,

@@ -84,6 +84,12 @@ pub struct SpeculativeStats {
     /// AL: tokens emitted per verify step, bonus token included (= 1 + accepted / steps).
     pub acceptance_length: Option<f64>,
     pub per_position_acceptance: PerPositionAcceptance,
+    /// Index a: verify steps that accepted exactly a drafts. With `slot_drafted_steps` this
+    /// merges exactly across requests (unconditional rate at slot i = steps with a >= i / steps
+    /// that drafted slot i).
+    pub accepted_histogram: Vec<u64>,
+    /// Index i - 1: verify steps that drafted slot i (steps can draft fewer than k).
+    pub slot_drafted_steps: Vec<u64>,
     pub draft_ms: f64,
     pub verify_ms: f64,
 }
@@ -108,6 +114,8 @@ impl SpeculativeStats {
             accepted_tokens: c.accepted_tokens(),
             acceptance_length: c.mean_acceptance_length(),
             per_position_acceptance: PerPositionAcceptance::from_counter(c),
+            accepted_histogram: c.accepted_histogram().to_vec(),
+            slot_drafted_steps: c.slot_drafted_steps().to_vec(),
             draft_ms: draft.as_secs_f64() * 1e3,
             verify_ms: verify.as_secs_f64() * 1e3,
         }

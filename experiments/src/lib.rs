@@ -1,10 +1,44 @@
 //! Benchmarks and experiments. Shared helpers for result files: every result states its config,
 //! model hashes, machine, date and git revision.
 
+pub mod acceptance;
+pub mod plots;
+pub mod prompts;
+
 use serde::Serialize;
 use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
 use std::io::Read;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+/// Errors of the experiment runners; bad input names the file (and line) it came from.
+#[derive(Debug, thiserror::Error)]
+pub enum ExperimentError {
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("bad prompt line {0} (use --on-bad-line skip to leave such lines out)")]
+    BadLine(prompts::BadLine),
+    #[error("{0}")]
+    Config(String),
+    #[error("refusing to resume into {}: it holds results of a different configuration ({difference}); use another output directory or delete this one", dir.display())]
+    ConfigMismatch { dir: PathBuf, difference: String },
+    #[error("loading {}: {source}", path.display())]
+    Load {
+        path: PathBuf,
+        source: specula_model::ModelError,
+    },
+    #[error(transparent)]
+    Model(#[from] specula_model::ModelError),
+    #[error(transparent)]
+    Engine(#[from] specula_engine::EngineError),
+    #[error("golden export: {0}")]
+    Golden(String),
+    #[error("plot {}: {message}", path.display())]
+    Plot { path: PathBuf, message: String },
+}
 
 /// SHA-256 of a file, hex.
 pub fn sha256_file(path: &Path) -> std::io::Result<String> {
@@ -75,4 +109,71 @@ pub fn memory_mib() -> (f64, f64) {
             .map_or(0.0, |kb| kb / 1024.0)
     };
     (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// `sha256_file`, remembered across runs by path, size and modification time in
+/// `$XDG_CACHE_HOME/specula/sha256.json` (or `~/.cache/...`), since hashing a multi-GB checkpoint
+/// on every run costs seconds. Without a cache directory it just hashes.
+pub fn sha256_file_cached(path: &Path) -> std::io::Result<String> {
+    let meta = std::fs::metadata(path)?;
+    let mtime = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos());
+    let absolute = std::fs::canonicalize(path)?;
+    let key = format!("{}|{}|{}", absolute.display(), meta.len(), mtime);
+    let cache_file = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .map(|d| d.join("specula").join("sha256.json"));
+    let mut cache: BTreeMap<String, String> = cache_file
+        .as_ref()
+        .and_then(|f| std::fs::read_to_string(f).ok())
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_default();
+    if let Some(h) = cache.get(&key) {
+        return Ok(h.clone());
+    }
+    let h = sha256_file(path)?;
+    if let Some(f) = cache_file {
+        cache.insert(key, h.clone());
+        // The cache only saves time; failing to write it is not an error.
+        if let Some(dir) = f.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        let _ = std::fs::write(&f, serde_json::to_string_pretty(&cache).unwrap_or_default());
+    }
+    Ok(h)
+}
+
+/// sha256 of every regular file of a model: the file itself, or each file of a model directory.
+pub fn hash_model_files(path: &Path) -> Result<BTreeMap<String, String>, ExperimentError> {
+    let io = |p: &Path| {
+        let p = p.to_path_buf();
+        move |e| ExperimentError::Io { path: p, source: e }
+    };
+    let mut out = BTreeMap::new();
+    if path.is_dir() {
+        let mut entries: Vec<PathBuf> = std::fs::read_dir(path)
+            .map_err(io(path))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.is_file())
+            .collect();
+        entries.sort();
+        for p in entries {
+            let name = p
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            out.insert(name, sha256_file_cached(&p).map_err(io(&p))?);
+        }
+    } else {
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        out.insert(name, sha256_file_cached(path).map_err(io(path))?);
+    }
+    Ok(out)
 }

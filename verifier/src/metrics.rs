@@ -24,6 +24,9 @@ pub struct AcceptanceCounter {
     slot_offered: Vec<u64>,
     /// Steps with k >= i and num_accepted >= i.
     slot_accepted: Vec<u64>,
+    /// Index a: steps that accepted exactly a drafts. Together with `slot_drafted` it lets
+    /// counts from separate runs be merged exactly after serialisation.
+    accepted_histogram: Vec<u64>,
 }
 
 impl AcceptanceCounter {
@@ -44,6 +47,10 @@ impl AcceptanceCounter {
             self.slot_offered.resize(k, 0);
             self.slot_accepted.resize(k, 0);
         }
+        if self.accepted_histogram.len() <= num_accepted {
+            self.accepted_histogram.resize(num_accepted + 1, 0);
+        }
+        self.accepted_histogram[num_accepted] += 1;
         self.steps += 1;
         self.accepted += num_accepted as u64;
         self.drafted += k as u64;
@@ -84,6 +91,17 @@ impl AcceptanceCounter {
                 *m += t;
             }
         }
+        if self.accepted_histogram.len() < other.accepted_histogram.len() {
+            self.accepted_histogram
+                .resize(other.accepted_histogram.len(), 0);
+        }
+        for (m, t) in self
+            .accepted_histogram
+            .iter_mut()
+            .zip(&other.accepted_histogram)
+        {
+            *m += t;
+        }
         self.steps += other.steps;
         self.accepted += other.accepted;
         self.drafted += other.drafted;
@@ -117,6 +135,18 @@ impl AcceptanceCounter {
         (self.steps > 0).then(|| self.accepted as f64 / self.steps as f64)
     }
 
+    /// Index a: the number of steps that accepted exactly a drafts.
+    pub fn accepted_histogram(&self) -> &[u64] {
+        &self.accepted_histogram
+    }
+
+    /// Index i - 1: the number of steps that drafted slot i (k >= i). Steps may draft fewer than
+    /// the configured k (an n-gram miss, the last step before max_new_tokens), so rates divide by
+    /// this, not by the step count.
+    pub fn slot_drafted_steps(&self) -> &[u64] {
+        &self.slot_drafted
+    }
+
     /// Number of slots seen (the largest k recorded).
     pub fn num_slots(&self) -> usize {
         self.slot_drafted.len()
@@ -140,5 +170,31 @@ impl AcceptanceCounter {
             .zip(&self.slot_offered)
             .map(|(&a, &o)| (o > 0).then(|| a as f64 / o as f64))
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_and_slot_counts_merge_exactly() {
+        let mut a = AcceptanceCounter::new();
+        a.record(3, 0).unwrap();
+        a.record(3, 3).unwrap();
+        let mut b = AcceptanceCounter::new();
+        b.record(2, 1).unwrap();
+        b.record(0, 0).unwrap();
+        a.merge(&b);
+        assert_eq!(a.accepted_histogram(), &[2, 1, 0, 1]);
+        assert_eq!(a.slot_drafted_steps(), &[3, 3, 2]);
+        // Slot i accepted iff a >= i: rates from the histogram equal the counter's own.
+        let h = a.accepted_histogram();
+        let from_hist: Vec<f64> = (0..3)
+            .map(|slot| {
+                h[slot + 1..].iter().sum::<u64>() as f64 / a.slot_drafted_steps()[slot] as f64
+            })
+            .collect();
+        assert_eq!(from_hist, a.unconditional_rates());
     }
 }
