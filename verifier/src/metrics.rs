@@ -117,6 +117,16 @@ impl AcceptanceCounter {
         (self.steps > 0).then(|| self.accepted as f64 / self.steps as f64)
     }
 
+    /// Per slot 1..=num_slots (index i - 1): steps that accepted slot i (serving counters).
+    pub fn accepted_per_slot(&self) -> &[u64] {
+        &self.slot_accepted
+    }
+
+    /// Per slot 1..=num_slots (index i - 1): steps that drafted slot i.
+    pub fn drafted_per_slot(&self) -> &[u64] {
+        &self.slot_drafted
+    }
+
     /// Number of slots seen (the largest k recorded).
     pub fn num_slots(&self) -> usize {
         self.slot_drafted.len()
