@@ -40,6 +40,8 @@ enum Command {
     /// Experiments: acceptance sweeps and golden acceptance files.
     #[command(subcommand)]
     Experiment(ExperimentCommand),
+    /// Serve an OpenAI-compatible HTTP API (completions, chat, streaming, metrics).
+    Serve(ServeArgs),
 }
 
 #[derive(Subcommand)]
@@ -124,6 +126,37 @@ struct ExportGoldenArgs {
     dataset: Option<String>,
     #[arg(long)]
     out: PathBuf,
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// Target model (default: the embedded default pair, drafting with its draft model).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Drafter: a draft model path, `ngram`, or `none`.
+    #[arg(long)]
+    draft: Option<String>,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Speculative configuration JSON (serving engines' shape).
+    #[arg(long)]
+    speculative_config: Option<String>,
+    /// '{"decode_backend": "standard"|"latency_specialized"}'.
+    #[arg(long)]
+    additional_config: Option<String>,
+    /// Requests decoded together.
+    #[arg(long, default_value_t = 16)]
+    max_running: usize,
+    /// Requests that may wait for a slot; more get 429.
+    #[arg(long, default_value_t = 64)]
+    max_queue: usize,
+    /// Prompt tokens prefilled per scheduler step (chunked prefill).
+    #[arg(long, default_value_t = 256)]
+    prefill_chunk: usize,
+    #[arg(long, default_value = "auto")]
+    dtype: WeightDtype,
 }
 
 #[derive(Args)]
@@ -623,6 +656,31 @@ fn cmd_experiment(e: ExperimentCommand) -> Result<()> {
     }
 }
 
+fn cmd_serve(a: ServeArgs) -> Result<()> {
+    let server = specula_server::Server::start(specula_server::ServerOptions {
+        model: a.model,
+        draft: a.draft,
+        speculative_config: a.speculative_config,
+        additional_config: a.additional_config,
+        dtype: a.dtype,
+        max_running: a.max_running,
+        max_queue: a.max_queue,
+        prefill_chunk_tokens: a.prefill_chunk,
+    })?;
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port))
+            .await
+            .with_context(|| format!("binding {}:{}", a.host, a.port))?;
+        eprintln!("{}", server.description);
+        eprintln!("listening on http://{}", listener.local_addr()?);
+        server
+            .serve(listener, specula_server::shutdown_signal())
+            .await?;
+        anyhow::Ok(())
+    })
+}
+
 fn main() -> Result<()> {
     let cli = Cli::parse();
     if let Some(n) = cli.threads {
@@ -635,5 +693,6 @@ fn main() -> Result<()> {
         Command::Generate(a) => cmd_generate(a),
         Command::CheckInvariance(a) => cmd_check_invariance(a),
         Command::Experiment(e) => cmd_experiment(e),
+        Command::Serve(a) => cmd_serve(a),
     }
 }

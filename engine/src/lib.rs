@@ -4,12 +4,14 @@
 pub mod config;
 pub mod generate;
 pub mod golden;
+pub mod scheduler;
 pub mod speculative;
 pub mod stats;
 
 pub use config::{SpeculativeConfig, SpeculativeMethod};
 pub use generate::{generate, FinishReason, GenerationOutput, GenerationRequest};
 pub use golden::{GoldenAcceptance, GOLDEN_FORMAT};
+pub use scheduler::{Event, RequestId, Scheduler, SchedulerConfig, SchedulerTotals};
 pub use speculative::{acceptance_mode, generate_batch, BatchOutput, RunStats};
 pub use stats::{GenerationStats, LatencySummary, SpeculativeStats};
 

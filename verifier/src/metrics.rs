@@ -147,6 +147,11 @@ impl AcceptanceCounter {
         &self.slot_drafted
     }
 
+    /// Per slot 1..=num_slots (index i - 1): steps that accepted slot i (serving counters).
+    pub fn accepted_per_slot(&self) -> &[u64] {
+        &self.slot_accepted
+    }
+
     /// Number of slots seen (the largest k recorded).
     pub fn num_slots(&self) -> usize {
         self.slot_drafted.len()
