@@ -1,6 +1,8 @@
 """Drives a running `specula serve` with the official `openai` package.
 
-Usage: python3 test_openai_client.py BASE_URL   (e.g. http://127.0.0.1:8000/v1)
+Usage: python3 test_openai_client.py BASE_URL [CHAT_BASE_URL]
+  BASE_URL: the embedded pair (no chat template); CHAT_BASE_URL: a server whose tokenizer has a ChatML
+  template (the test uses tests/fixtures/chatml_tiny).
 Exits non-zero on the first failed check.
 """
 
@@ -55,4 +57,23 @@ try:
 except openai.BadRequestError as e:
     assert e.status_code == 400
 
-print("openai client: completion, streaming, seeds, chat refusal, errors: ok")
+# Chat on a model with a ChatML template: plain, streamed (same text), and seeded.
+if len(sys.argv) > 2:
+    chat = openai.OpenAI(base_url=sys.argv[2], api_key="unused")
+    chat_model = chat.models.list().data[0].id
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
+    r = chat.chat.completions.create(model=chat_model, messages=messages, max_tokens=8, temperature=0.0)
+    assert r.choices[0].message.role == "assistant", r
+    assert r.usage.prompt_tokens > 10 and 1 <= r.usage.completion_tokens <= 8, r.usage
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in chat.chat.completions.create(model=chat_model, messages=messages, max_tokens=8,
+                                                  temperature=0.0, stream=True)
+        if chunk.choices
+    )
+    assert streamed == r.choices[0].message.content, (streamed, r.choices[0].message.content)
+    s1 = chat.chat.completions.create(model=chat_model, messages=messages, max_tokens=8, temperature=1.0, seed=5)
+    s2 = chat.chat.completions.create(model=chat_model, messages=messages, max_tokens=8, temperature=1.0, seed=5)
+    assert s1.choices[0].message.content == s2.choices[0].message.content
+
+print("openai client: completion, streaming, seeds, chat (ChatML model and refusal), errors: ok")
