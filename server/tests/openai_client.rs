@@ -34,7 +34,10 @@ fn openai_available() -> Result<(), String> {
 async fn official_openai_client_drives_the_server() {
     if let Err(why) = openai_available() {
         // CI reaches the package registry, so there a missing client is a failure, not a skip.
-        assert!(std::env::var_os("CI").is_none(), "CI must be able to install openai: {why}");
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI must be able to install openai: {why}"
+        );
         eprintln!("SKIPPED: official openai client test: {why}");
         return;
     }
