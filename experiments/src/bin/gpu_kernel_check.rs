@@ -7,7 +7,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use specula_kernels::cpu::{self, KvSource};
-use specula_kernels::cuda::GpuDevice;
+use specula_kernels::cuda::{Gemm, GpuDevice};
 use specula_kernels::Matrix;
 use std::time::Instant;
 
@@ -259,9 +259,69 @@ fn main() -> Result<()> {
         1e-5,
     );
 
+    // cuBLAS linear layer: bf16 weights x bf16 activations, f32 accumulate and output.
+    let gemm = Gemm::new(s.clone())?;
+    let (rows, cols, n) = (4864usize, 1536usize, 8usize);
+    let wf = random(&mut rng, rows * cols);
+    let w = Matrix::from_f32_as_bf16(rows, cols, &wf);
+    let x = random(&mut rng, n * cols);
+    let xb: Vec<u16> = x.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+    let x_rounded: Vec<f32> = xb.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
+    let wbits: Vec<u16> = match &w.data {
+        specula_kernels::MatrixData::Bf16(v) => v.iter().map(|x| x.to_bits()).collect(),
+        _ => unreachable!(),
+    };
+    let (dw, dx) = (s.clone_htod(&wbits)?, s.clone_htod(&xb)?);
+    let mut dout = s.alloc_zeros::<f32>(n * rows)?;
+    gemm.linear(&dw, &dx, &mut dout, rows, cols, n)?;
+    let got = s.clone_dtoh(&dout)?;
+    let mut want_rounded = vec![0f32; n * rows];
+    cpu::matmul(&x_rounded, n, &w, &mut want_rounded);
+    let mut want_f32 = vec![0f32; n * rows];
+    cpu::matmul(&x, n, &w, &mut want_f32);
+    report("gemm_bf16", max_rel(&got, &want_rounded), 1e-4);
+    report("gemm vs f32 x", max_rel(&got, &want_f32), 1e-2);
+
     if !failures.is_empty() {
         bail!("kernels differ from the CPU reference: {failures:?}");
     }
     println!("all kernels match the CPU reference");
+
+    // Timings (CUDA events, warm-up, median of repeats): copy bandwidth, then cuBLAS linear layers of
+    // the Llama-3.2-1B shapes at 1 and 8 tokens, as the fraction of bandwidth their weight bytes reach.
+    let timing = cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+    let median_ms = |f: &mut dyn FnMut() -> Result<()>, reps: usize| -> Result<f64> {
+        for _ in 0..5 {
+            f()?;
+        }
+        let mut t = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            let a = s.record_event(Some(timing))?;
+            f()?;
+            let b = s.record_event(Some(timing))?;
+            t.push(a.elapsed_ms(&b)? as f64);
+        }
+        t.sort_by(f64::total_cmp);
+        Ok(t[t.len() / 2])
+    };
+    let bytes = 1usize << 30;
+    let src = s.alloc_zeros::<u8>(bytes)?;
+    let mut dst = s.alloc_zeros::<u8>(bytes)?;
+    let copy_ms = median_ms(&mut || Ok(s.memcpy_dtod(&src, &mut dst)?), 20)?;
+    // A copy reads and writes every byte.
+    let bw = 2.0 * bytes as f64 / (copy_ms * 1e-3) / 1e12;
+    println!("\ncopy bandwidth {bw:.3} TB/s (1 GiB device-to-device, median of 20)");
+    println!("| linear (rows x cols) | tokens | median us | weight GB/s | % of copy bandwidth |");
+    println!("|---|---|---|---|---|");
+    for (name, rows, cols) in [("qkv", 3072usize, 2048usize), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192), ("lm_head", 128256, 2048)] {
+        let w = s.alloc_zeros::<u16>(rows * cols)?;
+        for n in [1usize, 8] {
+            let x = s.alloc_zeros::<u16>(n * cols)?;
+            let mut out = s.alloc_zeros::<f32>(n * rows)?;
+            let ms = median_ms(&mut || Ok(gemm.linear(&w, &x, &mut out, rows, cols, n)?), 50)?;
+            let gbs = (rows * cols * 2) as f64 / (ms * 1e-3) / 1e9;
+            println!("| {name} ({rows} x {cols}) | {n} | {:.1} | {gbs:.0} | {:.0}% |", ms * 1e3, gbs / (bw * 1e3) * 100.0);
+        }
+    }
     Ok(())
 }

@@ -4,6 +4,9 @@
 //! (cudarc panics on a missing library otherwise) and reports what is missing and that the CPU backend is
 //! the fallback.
 
+mod gemm;
+pub use gemm::Gemm;
+
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 use std::sync::Arc;
@@ -43,6 +46,10 @@ pub enum CudaError {
         arch: String,
         log: String,
     },
+    #[error("cuBLAS: {0}")]
+    Blas(String),
+    #[error("{0}")]
+    Shape(String),
     #[error("CUDA driver: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
 }
