@@ -36,4 +36,6 @@ pub enum ModelError {
     ContextOverflow { needed: usize, limit: usize },
     #[error("{0}")]
     InvalidRequest(String),
+    #[error("GPU: {0}")]
+    Gpu(String),
 }

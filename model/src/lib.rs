@@ -5,6 +5,8 @@ pub mod config;
 pub mod error;
 pub mod gguf;
 pub mod gguf_source;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod kv_cache;
 pub mod loader;
 pub mod source;

@@ -12,29 +12,29 @@ use half::bf16;
 use specula_kernels::cpu::{self, RopeLayout};
 use specula_kernels::{Matrix, MatrixData};
 
-struct Layer {
-    attn_norm: Vec<f32>,
+pub(crate) struct Layer {
+    pub(crate) attn_norm: Vec<f32>,
     /// q, k and v projections stacked: one pass over the normalised input.
-    wqkv: Matrix,
-    bqkv: Option<Vec<f32>>,
-    q_norm: Option<Vec<f32>>,
-    k_norm: Option<Vec<f32>>,
-    wo: Matrix,
-    bo: Option<Vec<f32>>,
-    ffn_norm: Vec<f32>,
+    pub(crate) wqkv: Matrix,
+    pub(crate) bqkv: Option<Vec<f32>>,
+    pub(crate) q_norm: Option<Vec<f32>>,
+    pub(crate) k_norm: Option<Vec<f32>>,
+    pub(crate) wo: Matrix,
+    pub(crate) bo: Option<Vec<f32>>,
+    pub(crate) ffn_norm: Vec<f32>,
     /// gate and up projections stacked: rows `[gate (ffn) | up (ffn)]`.
-    w_gate_up: Matrix,
-    w_down: Matrix,
+    pub(crate) w_gate_up: Matrix,
+    pub(crate) w_down: Matrix,
 }
 
 pub struct Transformer {
     pub config: ModelConfig,
-    embed: Matrix,
-    layers: Vec<Layer>,
-    final_norm: Vec<f32>,
+    pub(crate) embed: Matrix,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) final_norm: Vec<f32>,
     /// None when tied to the embeddings.
-    lm_head: Option<Matrix>,
-    inv_freq: Vec<f64>,
+    pub(crate) lm_head: Option<Matrix>,
+    pub(crate) inv_freq: Vec<f64>,
 }
 
 /// One sequence's part of a forward: its new tokens (appended at the end of its cache) and how many

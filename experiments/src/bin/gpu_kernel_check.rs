@@ -265,8 +265,14 @@ fn main() -> Result<()> {
     let wf = random(&mut rng, rows * cols);
     let w = Matrix::from_f32_as_bf16(rows, cols, &wf);
     let x = random(&mut rng, n * cols);
-    let xb: Vec<u16> = x.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
-    let x_rounded: Vec<f32> = xb.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
+    let xb: Vec<u16> = x
+        .iter()
+        .map(|&v| half::bf16::from_f32(v).to_bits())
+        .collect();
+    let x_rounded: Vec<f32> = xb
+        .iter()
+        .map(|&b| half::bf16::from_bits(b).to_f32())
+        .collect();
     let wbits: Vec<u16> = match &w.data {
         specula_kernels::MatrixData::Bf16(v) => v.iter().map(|x| x.to_bits()).collect(),
         _ => unreachable!(),
@@ -313,14 +319,27 @@ fn main() -> Result<()> {
     println!("\ncopy bandwidth {bw:.3} TB/s (1 GiB device-to-device, median of 20)");
     println!("| linear (rows x cols) | tokens | median us | weight GB/s | % of copy bandwidth |");
     println!("|---|---|---|---|---|");
-    for (name, rows, cols) in [("qkv", 3072usize, 2048usize), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192), ("lm_head", 128256, 2048)] {
+    for (name, rows, cols) in [
+        ("qkv", 3072usize, 2048usize),
+        ("o", 2048, 2048),
+        ("gate_up", 16384, 2048),
+        ("down", 2048, 8192),
+        ("lm_head", 128256, 2048),
+    ] {
         let w = s.alloc_zeros::<u16>(rows * cols)?;
         for n in [1usize, 8] {
             let x = s.alloc_zeros::<u16>(n * cols)?;
             let mut out = s.alloc_zeros::<f32>(n * rows)?;
-            let ms = median_ms(&mut || Ok(gemm.linear(&w, &x, &mut out, rows, cols, n)?), 50)?;
+            let ms = median_ms(
+                &mut || Ok(gemm.linear(&w, &x, &mut out, rows, cols, n)?),
+                50,
+            )?;
             let gbs = (rows * cols * 2) as f64 / (ms * 1e-3) / 1e9;
-            println!("| {name} ({rows} x {cols}) | {n} | {:.1} | {gbs:.0} | {:.0}% |", ms * 1e3, gbs / (bw * 1e3) * 100.0);
+            println!(
+                "| {name} ({rows} x {cols}) | {n} | {:.1} | {gbs:.0} | {:.0}% |",
+                ms * 1e3,
+                gbs / (bw * 1e3) * 100.0
+            );
         }
     }
     Ok(())
