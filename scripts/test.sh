@@ -20,4 +20,5 @@ PY
 if [[ -n "$nvrtc_lib" ]]; then
   export LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
-cargo test --workspace --locked --features specula-kernels/cuda "$@"
+# The feature flags compile every GPU code path (kernels, the GPU forward, the GPU check binaries).
+cargo test --workspace --locked --features specula-kernels/cuda,specula-model/cuda,specula-experiments/cuda "$@"
