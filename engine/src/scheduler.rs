@@ -522,10 +522,9 @@ fn emit(r: &mut RequestState, t: u32, now: Instant, tokenizer: Option<&Tokenizer
     r.tokens.push(t);
     r.emit_times.push(now);
     let req = &r.req;
-    if req.stop_token_ids.contains(&t) {
-        r.finish = Some(FinishReason::Stop);
-    } else if !req.stop_strings.is_empty()
-        && stop_string_hit(&r.tokens, &req.stop_strings, tokenizer)
+    if req.stop_token_ids.contains(&t)
+        || (!req.stop_strings.is_empty()
+            && stop_string_hit(&r.tokens, &req.stop_strings, tokenizer))
     {
         r.finish = Some(FinishReason::Stop);
     } else if r.tokens.len() >= req.max_new_tokens {

@@ -69,7 +69,9 @@ pub fn generate_batch(
     let drafter_name = drafter
         .as_deref()
         .map_or("none".to_string(), |d| d.name().to_string());
-    // Re-borrow so the drafter's lifetime can shrink to the scheduler's.
+    // Re-borrow so the drafter's lifetime can shrink to the scheduler's (`&mut` is invariant, so the
+    // Option cannot be passed through as it is).
+    #[allow(clippy::needless_match)]
     let drafter: Option<&mut dyn Drafter> = match drafter {
         Some(d) => Some(d),
         None => None,

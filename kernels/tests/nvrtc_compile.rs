@@ -46,10 +46,17 @@ fn a_broken_kernel_is_a_clear_error_and_unknown_arches_are_refused() {
 fn no_gpu_is_a_clear_error_naming_the_cpu_fallback() {
     use specula_kernels::cuda::{driver_available, GpuDevice};
     if driver_available() {
-        eprintln!("SKIPPED: this machine has a CUDA driver; the no-driver path cannot be exercised here");
+        eprintln!(
+            "SKIPPED: this machine has a CUDA driver; the no-driver path cannot be exercised here"
+        );
         return;
     }
-    let err = GpuDevice::new(0).err().expect("no driver: opening a GPU must fail");
+    let err = GpuDevice::new(0)
+        .err()
+        .expect("no driver: opening a GPU must fail");
     let msg = err.to_string();
-    assert!(msg.contains("driver") && msg.contains("CPU backend"), "{msg}");
+    assert!(
+        msg.contains("driver") && msg.contains("CPU backend"),
+        "{msg}"
+    );
 }
