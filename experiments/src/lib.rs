@@ -177,3 +177,16 @@ pub fn hash_model_files(path: &Path) -> Result<BTreeMap<String, String>, Experim
     }
     Ok(out)
 }
+
+/// max |ours - reference| / max |reference|: error relative to the scale of the whole tensor, so
+/// near-zero entries do not turn rounding noise into huge ratios. The metric of every parity report.
+pub fn max_relative_error(ours: &[f32], reference: &[f32]) -> f64 {
+    let scale = reference
+        .iter()
+        .fold(0f64, |m, &v| m.max(v.abs() as f64))
+        .max(1e-30);
+    ours.iter()
+        .zip(reference)
+        .fold(0f64, |m, (&a, &b)| m.max((a as f64 - b as f64).abs()))
+        / scale
+}

@@ -4,22 +4,12 @@
 //! Usage: gpu_forward_check [MODEL_DIR_OR_GGUF]
 
 use anyhow::{Context, Result};
+use specula_experiments::max_relative_error as max_rel;
 use specula_kernels::sampling::argmax;
 use specula_model::gpu::GpuTransformer;
 use specula_model::loader::load;
 use specula_model::{SeqInput, WeightDtype};
 use std::time::Instant;
-
-fn max_rel(gpu: &[f32], cpu: &[f32]) -> f64 {
-    let scale = cpu
-        .iter()
-        .fold(0f64, |m, &v| m.max(v.abs() as f64))
-        .max(1e-30);
-    gpu.iter()
-        .zip(cpu)
-        .fold(0f64, |m, (&a, &b)| m.max((a as f64 - b as f64).abs()))
-        / scale
-}
 
 fn main() -> Result<()> {
     let path = std::env::args()

@@ -6,6 +6,7 @@ use anyhow::{bail, Context, Result};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use specula_experiments::max_relative_error as max_rel;
 use specula_kernels::cpu::{self, KvSource};
 use specula_kernels::cuda::{Gemm, GpuDevice};
 use specula_kernels::Matrix;
@@ -13,17 +14,6 @@ use std::time::Instant;
 
 fn random(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
-}
-
-fn max_rel(gpu: &[f32], cpu: &[f32]) -> f64 {
-    let scale = cpu
-        .iter()
-        .fold(0f64, |m, &v| m.max(v.abs() as f64))
-        .max(1e-30);
-    gpu.iter()
-        .zip(cpu)
-        .fold(0f64, |m, (&a, &b)| m.max((a as f64 - b as f64).abs()))
-        / scale
 }
 
 struct Contiguous<'a> {
