@@ -67,6 +67,7 @@ class Attention(nn.Module):
         v = self.v_proj(kv_in).view(B, K, self.nkv, self.hd).transpose(1, 2)
         q = apply_rope(q, *rope_q)
         k = apply_rope(k, *rope_k)
+        q, k = q.to(v.dtype), k.to(v.dtype)
         rep = self.nh // self.nkv
         k = k.repeat_interleave(rep, 1)
         v = v.repeat_interleave(rep, 1)
