@@ -3,9 +3,10 @@
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use serde_json::json;
-use specula_drafters::{check_shared_vocabulary, Drafter, ModelDrafter, NgramDrafter};
+use specula_drafters::Drafter;
 use specula_engine::{
-    generate, generate_batch, GenerationRequest, SpeculativeConfig, SpeculativeMethod,
+    build_drafter, generate, generate_batch, GenerationRequest, SpeculativeConfig,
+    SpeculativeMethod,
 };
 use specula_experiments::acceptance::{
     export_golden, run_acceptance, AcceptanceConfig, ChatMode, GoldenSelection, RunOptions,
@@ -218,7 +219,8 @@ struct GenerateArgs {
 #[derive(Args)]
 struct SpecArgs {
     /// Drafter: a draft model path (GGUF or HF directory sharing the target's tokenizer), `ngram`
-    /// (prompt lookup), or `none` (plain decoding, the default).
+    /// (prompt lookup), `dspark` (the DSpark drafter shipped with the embedded default target; other
+    /// DSpark checkpoints via --speculative-config), or `none` (plain decoding).
     #[arg(long)]
     draft: Option<String>,
     /// Draft tokens per verify step, 1..=16.
@@ -247,7 +249,13 @@ struct SpecArgs {
 impl SpecArgs {
     /// `default_draft`: the drafter used when neither --draft nor --speculative-config is given
     /// (the embedded default draft when the target is the embedded default target).
-    fn config(&self, default_draft: Option<PathBuf>) -> Result<SpeculativeConfig> {
+    /// `default_dspark`: the DSpark drafter used by method dspark without a model path (the one
+    /// shipped with the embedded default target).
+    fn config(
+        &self,
+        default_draft: Option<PathBuf>,
+        default_dspark: Option<PathBuf>,
+    ) -> Result<SpeculativeConfig> {
         let mut c = match &self.speculative_config {
             Some(j) => SpeculativeConfig::from_json(j)?,
             None => SpeculativeConfig::default(),
@@ -262,10 +270,17 @@ impl SpecArgs {
             None => {}
             Some("none") => c.method = SpeculativeMethod::None,
             Some("ngram") => c.method = SpeculativeMethod::Ngram,
+            Some("dspark") => {
+                c.method = SpeculativeMethod::Dspark;
+                c.model = None;
+            }
             Some(path) => {
                 c.method = SpeculativeMethod::DraftModel;
                 c.model = Some(path.to_string());
             }
+        }
+        if c.method == SpeculativeMethod::Dspark && c.model.is_none() {
+            c.model = default_dspark.map(|d| d.display().to_string());
         }
         if let Some(k) = self.num_draft_tokens {
             c.num_speculative_tokens = k;
@@ -356,35 +371,15 @@ fn prompt_ids(loaded: &LoadedModel, p: &PromptArgs) -> Result<Vec<u32>> {
 }
 
 fn cmd_generate(a: GenerateArgs) -> Result<()> {
-    let default_draft = a
-        .model
-        .model
-        .is_none()
-        .then(|| default_models_dir().join("draft"));
-    let spec = a.spec.config(default_draft)?;
+    let embedded = a.model.model.is_none();
+    let spec = a.spec.config(
+        embedded.then(|| default_models_dir().join("draft")),
+        embedded.then(|| default_models_dir().join("dspark")),
+    )?;
     let rule = spec.rule(a.temperature)?;
     let loaded = load_model(&a.model)?;
     let tok = loaded.tokenizer()?;
-    let mut drafter: Option<Box<dyn Drafter>> = match spec.method {
-        SpeculativeMethod::None => None,
-        SpeculativeMethod::Ngram => Some(Box::new(NgramDrafter::new(
-            spec.prompt_lookup_min,
-            spec.prompt_lookup_max,
-        ))),
-        SpeculativeMethod::DraftModel => {
-            let path = PathBuf::from(spec.model.as_deref().expect("rule() checked it"));
-            let draft = load(&path, a.model.dtype)
-                .with_context(|| format!("loading draft model {}", path.display()))?;
-            check_shared_vocabulary(
-                draft.model.config.vocab_size,
-                loaded.model.config.vocab_size,
-                draft.tokenizer.as_ref(),
-                Some(tok),
-            )
-            .with_context(|| format!("draft model {}", path.display()))?;
-            Some(Box::new(ModelDrafter::new(draft.model)))
-        }
-    };
+    let mut drafter = build_drafter(&spec, &loaded, a.model.dtype)?;
     let prompt_token_ids = prompt_ids(&loaded, &a.prompt)?;
     let req = GenerationRequest {
         prompt_ids: prompt_token_ids.clone(),

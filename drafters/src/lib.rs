@@ -1,13 +1,16 @@
 //! Drafters propose tokens for the target to verify. One trait, `Drafter`; implementations:
-//! `NgramDrafter` (prompt lookup, no model) and `ModelDrafter` (an independent small model sharing the
-//! target's tokenizer).
+//! `NgramDrafter` (prompt lookup, no model), `ModelDrafter` (an independent small model sharing the
+//! target's tokenizer) and `DSparkDrafter` (a parallel block drafter conditioned on target hidden
+//! states).
 //!
 //! A drafter keeps its own per-sequence state (token history, KV cache). The engine tells it what was
 //! committed after each verify step; the drafter rolls back whatever it had speculated past that.
 
+pub mod dspark;
 mod model_drafter;
 mod ngram;
 
+pub use dspark::{DSparkConfig, DSparkDrafter, DSparkModel};
 pub use model_drafter::{check_shared_vocabulary, ModelDrafter};
 pub use ngram::NgramDrafter;
 
@@ -29,6 +32,8 @@ pub enum DraftError {
     Sampling(#[from] specula_kernels::sampling::SamplingError),
     #[error("draft model and target do not share a vocabulary: {0}")]
     VocabularyMismatch(String),
+    #[error("drafter configuration: {0}")]
+    Config(String),
 }
 
 /// What one sequence asks of the drafter in one step.
@@ -71,4 +76,24 @@ pub trait Drafter: Send {
 
     /// Appends tokens the engine committed (accepted drafts plus the target's token) to a sequence.
     fn commit(&mut self, seq: SeqKey, tokens: &[u32]) -> Result<(), DraftError>;
+
+    /// Target layers whose outputs (HF `hidden_states[l + 1]`) this drafter conditions on, in the
+    /// order it concatenates them. Empty (the default): the engine asks the target for nothing.
+    fn tapped_target_layers(&self) -> &[usize] {
+        &[]
+    }
+
+    /// Hands over the tapped layers' outputs for target positions `start..start + n` of a sequence
+    /// (`features` is `[n, layers x hidden]`), once those positions are committed to the target's
+    /// cache: after prefill (every prompt position) and after each verify step (the previous
+    /// anchor plus the accepted drafts). Called only for drafters that tap layers.
+    fn append_target_features(
+        &mut self,
+        seq: SeqKey,
+        start: usize,
+        features: &[f32],
+    ) -> Result<(), DraftError> {
+        let _ = (seq, start, features);
+        Ok(())
+    }
 }

@@ -15,6 +15,9 @@ pub enum SpeculativeMethod {
     Ngram,
     /// An independent draft model sharing the target's tokenizer.
     DraftModel,
+    /// DSpark parallel block drafter conditioned on target hidden states; `model` is its directory
+    /// (DeepSpec layout).
+    Dspark,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -97,6 +100,11 @@ impl SpeculativeConfig {
                 "method draft_model needs a draft model path (\"model\" or --draft PATH)".into(),
             );
         }
+        if self.method == SpeculativeMethod::Dspark && self.model.is_none() {
+            return bad(
+                "method dspark needs the DSpark drafter's directory (\"model\"); only the embedded default target has one built in".into(),
+            );
+        }
         let has_synthetic_settings = self.synthetic_acceptance_length.is_some()
             || self.synthetic_acceptance_rates.is_some()
             || self.synthetic_acceptance_rates_from.is_some();
@@ -114,7 +122,8 @@ impl SpeculativeConfig {
         if self.method == SpeculativeMethod::None {
             if name == "synthetic" {
                 return bad(
-                    "synthetic acceptance needs a drafter (method ngram or draft_model)".into(),
+                    "synthetic acceptance needs a drafter (method ngram, draft_model or dspark)"
+                        .into(),
                 );
             }
             // Zero drafts: the standard rule with k = 0 is exactly plain sampling (greedy at T = 0).

@@ -2,6 +2,7 @@
 //! the speculative loop builds on the same request/stats types.
 
 pub mod config;
+pub mod drafter_factory;
 pub mod generate;
 pub mod golden;
 pub mod scheduler;
@@ -9,6 +10,7 @@ pub mod speculative;
 pub mod stats;
 
 pub use config::{SpeculativeConfig, SpeculativeMethod};
+pub use drafter_factory::build_drafter;
 pub use generate::{generate, FinishReason, GenerationOutput, GenerationRequest};
 pub use golden::{GoldenAcceptance, GOLDEN_FORMAT};
 pub use scheduler::{Event, RequestId, Scheduler, SchedulerConfig, SchedulerTotals};

@@ -78,6 +78,9 @@ struct RequestState {
     prefilled: usize,
     /// Whether the drafter tracks this sequence (after its first token).
     in_drafter: bool,
+    /// Tapped target features of the prompt positions prefilled so far (`[positions, width]`),
+    /// kept until the drafter takes the sequence; empty unless the drafter taps target layers.
+    prompt_features: Vec<f32>,
     rng: ChaCha8Rng,
     /// Emitted but not yet in the target cache.
     pending: u32,
@@ -190,6 +193,7 @@ impl<'a> Scheduler<'a> {
             seq: None,
             prefilled: 0,
             in_drafter: false,
+            prompt_features: Vec::new(),
             pending: 0,
             tokens: Vec::new(),
             finish: None,
@@ -363,8 +367,23 @@ impl<'a> Scheduler<'a> {
             // Everything running has finished (e.g. context full): retire below.
             return self.retire(events);
         }
-        let out = self.target.forward(&mut self.cache, &inputs, &[])?;
+        // Target layers the drafter conditions on (DSpark): their outputs come out of this same
+        // forward, so drafting on hidden states costs no extra target pass.
+        let tapped: Vec<usize> = self
+            .drafter
+            .as_deref()
+            .map(|d| d.tapped_target_layers().to_vec())
+            .unwrap_or_default();
+        let out = self.target.forward(&mut self.cache, &inputs, &tapped)?;
+        // Row of each input's first new token in `out.hidden`.
+        let mut first_row = Vec::with_capacity(inputs.len());
+        let mut row = 0;
+        for inp in &inputs {
+            first_row.push(row);
+            row += inp.tokens.len();
+        }
         drop(inputs);
+        let hidden_size = self.target.config.hidden_size;
         let now = Instant::now();
 
         for (a, &(i, _)) in decode.iter().enumerate() {
@@ -404,7 +423,18 @@ impl<'a> Scheduler<'a> {
             r.draft_time += draft_elapsed;
             r.verify_time += now - t_verify;
             if let Some(d) = self.drafter.as_deref_mut() {
-                d.commit(r.seq.expect("admitted"), &kept)?;
+                let seq = r.seq.expect("admitted");
+                if !tapped.is_empty() {
+                    // The positions now committed to the target cache: the old pending token
+                    // and the accepted drafts.
+                    let rows = first_row[a]..first_row[a] + 1 + outcome.num_accepted;
+                    d.append_target_features(
+                        seq,
+                        starts[a],
+                        &gather_features(&out.hidden, hidden_size, rows),
+                    )?;
+                }
+                d.commit(seq, &kept)?;
             }
             events.push(Event::Tokens {
                 id: r.id,
@@ -417,8 +447,16 @@ impl<'a> Scheduler<'a> {
         }
 
         // Prefill results: a finished prompt samples its first token as plain generation does.
-        for (p, &(i, _, to)) in prefill.iter().enumerate() {
+        for (p, &(i, from, to)) in prefill.iter().enumerate() {
             let r = &mut self.running[i];
+            if !tapped.is_empty() {
+                let rows = first_row[decode.len() + p]..first_row[decode.len() + p] + (to - from);
+                r.prompt_features.extend_from_slice(&gather_features(
+                    &out.hidden,
+                    hidden_size,
+                    rows,
+                ));
+            }
             r.prefilled = to;
             if to < r.req.prompt_ids.len() {
                 continue;
@@ -443,8 +481,13 @@ impl<'a> Scheduler<'a> {
                 if let Some(d) = self.drafter.as_deref_mut() {
                     let mut committed = r.req.prompt_ids.clone();
                     committed.push(t);
-                    d.add_sequence(r.seq.expect("admitted"), &committed)?;
+                    let seq = r.seq.expect("admitted");
+                    d.add_sequence(seq, &committed)?;
                     r.in_drafter = true;
+                    if !tapped.is_empty() {
+                        let features = std::mem::take(&mut r.prompt_features);
+                        d.append_target_features(seq, 0, &features)?;
+                    }
                 }
             }
         }
@@ -518,6 +561,18 @@ impl<'a> Scheduler<'a> {
 }
 
 /// Appends `t` and reports whether the request is finished.
+/// The tapped layers' outputs for forward rows `rows`, concatenated per row in tap order:
+/// `[rows, layers x hidden]`.
+fn gather_features(hidden: &[Vec<f32>], h: usize, rows: std::ops::Range<usize>) -> Vec<f32> {
+    let mut out = Vec::with_capacity(rows.len() * hidden.len() * h);
+    for r in rows {
+        for layer in hidden {
+            out.extend_from_slice(&layer[r * h..(r + 1) * h]);
+        }
+    }
+    out
+}
+
 fn emit(r: &mut RequestState, t: u32, now: Instant, tokenizer: Option<&Tokenizer>) -> bool {
     r.tokens.push(t);
     r.emit_times.push(now);

@@ -175,6 +175,17 @@ impl Transformer {
         })
     }
 
+    /// The token embedding matrix `[vocab, hidden]` (drafters that share the target's embedding
+    /// read it, e.g. DSpark).
+    pub fn embedding(&self) -> &Matrix {
+        &self.embed
+    }
+
+    /// The LM head `[vocab, hidden]` (the embedding when tied).
+    pub fn lm_head(&self) -> &Matrix {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+
     /// A KV cache sized for this model holding up to `max_positions` positions over all sequences.
     pub fn new_cache(&self, max_positions: usize) -> PagedKvCache {
         PagedKvCache::new(

@@ -20,10 +20,10 @@ use futures_util::stream::{self, Stream, StreamExt};
 use metrics::Metrics;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use specula_drafters::{check_shared_vocabulary, Drafter, ModelDrafter, NgramDrafter};
 use specula_engine::generate::validate_request;
 use specula_engine::{
-    GenerationOutput, GenerationRequest, SchedulerConfig, SpeculativeConfig, SpeculativeMethod,
+    build_drafter, GenerationOutput, GenerationRequest, SchedulerConfig, SpeculativeConfig,
+    SpeculativeMethod,
 };
 use specula_kernels::sampling::SamplingParams;
 use specula_model::loader::{load, LoadedModel};
@@ -168,10 +168,18 @@ impl Server {
             None => {}
             Some("none") => spec.method = SpeculativeMethod::None,
             Some("ngram") => spec.method = SpeculativeMethod::Ngram,
+            Some("dspark") => {
+                spec.method = SpeculativeMethod::Dspark;
+                spec.model = None;
+            }
             Some(path) => {
                 spec.method = SpeculativeMethod::DraftModel;
                 spec.model = Some(path.to_string());
             }
+        }
+        // Method dspark without a path on the embedded target: the DSpark drafter shipped with it.
+        if embedded && spec.method == SpeculativeMethod::Dspark && spec.model.is_none() {
+            spec.model = Some(default_models_dir().join("dspark").display().to_string());
         }
         spec.rule(0.0)
             .map_err(|e| ServerError::Config(e.to_string()))?;
@@ -180,26 +188,14 @@ impl Server {
             .clone()
             .unwrap_or_else(|| default_models_dir().join("target"));
         let loaded = load(&path, opts.dtype).map_err(|e| load_err(&path, e))?;
-        let tok = loaded.tokenizer().map_err(|e| load_err(&path, e))?;
-        let drafter: Option<Box<dyn Drafter>> = match spec.method {
-            SpeculativeMethod::None => None,
-            SpeculativeMethod::Ngram => Some(Box::new(NgramDrafter::new(
-                spec.prompt_lookup_min,
-                spec.prompt_lookup_max,
-            ))),
-            SpeculativeMethod::DraftModel => {
-                let dpath = PathBuf::from(spec.model.as_deref().unwrap_or_default());
-                let draft = load(&dpath, opts.dtype).map_err(|e| load_err(&dpath, e))?;
-                check_shared_vocabulary(
-                    draft.model.config.vocab_size,
-                    loaded.model.config.vocab_size,
-                    draft.tokenizer.as_ref(),
-                    Some(tok),
-                )
-                .map_err(|e| load_err(&dpath, e))?;
-                Some(Box::new(ModelDrafter::new(draft.model)))
-            }
-        };
+        // The server needs a tokenizer for text prompts; fail at start, not per request.
+        loaded.tokenizer().map_err(|e| load_err(&path, e))?;
+        let drafter = build_drafter(&spec, &loaded, opts.dtype).map_err(|e| {
+            load_err(
+                std::path::Path::new(spec.model.as_deref().unwrap_or("drafter")),
+                e,
+            )
+        })?;
         let name = if embedded {
             DEFAULT_MODEL_NAME.to_string()
         } else {

@@ -26,6 +26,46 @@ pub fn attention(
     scale: f32,
     out: &mut [f32],
 ) {
+    attend(
+        q,
+        kv,
+        |t| start_pos + t + 1,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        scale,
+        out,
+    );
+}
+
+/// Every query attends to keys `0..n_keys`, with no causal mask: a parallel block drafter's
+/// queries see the whole context and every position of their own block (DSpark, DFlash).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_all_keys(
+    q: &[f32],
+    kv: &dyn KvSource,
+    n_keys: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    attend(q, kv, |_| n_keys, n_heads, n_kv_heads, head_dim, scale, out);
+}
+
+/// Query row `t` attends to keys `0..visible(t)`.
+#[allow(clippy::too_many_arguments)]
+fn attend(
+    q: &[f32],
+    kv: &dyn KvSource,
+    visible: impl Fn(usize) -> usize + Sync,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
     assert_eq!(q.len(), out.len());
     assert_eq!(q.len() % (n_heads * head_dim), 0);
     assert_eq!(
@@ -38,10 +78,9 @@ pub fn attention(
         .enumerate()
         .for_each(|(idx, o)| {
             let (t, h) = (idx / n_heads, idx % n_heads);
-            let pos = start_pos + t;
             let kvh = h / group;
             let qh = &q[idx * head_dim..(idx + 1) * head_dim];
-            let mut scores: Vec<f32> = (0..=pos)
+            let mut scores: Vec<f32> = (0..visible(t))
                 .map(|j| dot(qh, &kv.key(j)[kvh * head_dim..(kvh + 1) * head_dim]) * scale)
                 .collect();
             let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);

@@ -4,7 +4,7 @@
 pub mod attention;
 pub mod matmul;
 
-pub use attention::{attention, KvSource};
+pub use attention::{attention, attention_all_keys, KvSource};
 pub use matmul::{matmul, matmul_with, CpuKernel};
 
 use rayon::prelude::*;
