@@ -67,7 +67,8 @@ struct AcceptanceArgs {
     /// Target model (default: the embedded default target).
     #[arg(long)]
     target: Option<PathBuf>,
-    /// Drafters: embedded | ngram | draft_model:PATH (comma-separated or repeated).
+    /// Drafters: embedded | ngram | dspark | draft_model:PATH | dspark:PATH (comma-separated or
+    /// repeated).
     #[arg(long, value_delimiter = ',')]
     drafters: Vec<String>,
     #[arg(long, value_delimiter = ',')]

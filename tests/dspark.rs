@@ -321,3 +321,52 @@ fn sampled_dspark_speculation_follows_the_target_distribution() {
         "the chi-square check has no power"
     );
 }
+
+/// `specula generate` with the seed's DL7 configuration and no model path: the embedded target
+/// with its DSpark drafter; greedy output equals plain; drafting and verify time are reported
+/// separately; synthetic AL 3.78 is labelled synthetic; a draft length beyond the block is refused.
+#[test]
+fn cli_runs_the_dl7_configuration_natural_and_synthetic() {
+    let run = |extra: &[&str]| -> (bool, serde_json::Value, String) {
+        let mut args = vec![
+            "generate",
+            "--prompt",
+            "def read_config(path):",
+            "--max-tokens",
+            "32",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_specula"))
+            .args(&args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        let json = serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
+        (out.status.success(), json, stderr)
+    };
+    let (ok, plain, e) = run(&["--draft", "none"]);
+    assert!(ok, "{e}");
+    let (ok, dl7, e) = run(&[
+        "--speculative-config",
+        r#"{"method": "dspark", "num_speculative_tokens": 7}"#,
+    ]);
+    assert!(ok, "{e}");
+    assert_eq!(dl7["token_ids"], plain["token_ids"]);
+    let st = &dl7["stats"];
+    assert_eq!(st["acceptance_mode"], "natural");
+    assert!(st["acceptance_length"].as_f64().unwrap() > 1.5, "{st}");
+    assert!(st["draft_ms"].as_f64().unwrap() > 0.0 && st["verify_ms"].as_f64().unwrap() > 0.0);
+    let (ok, syn, e) = run(&[
+        "--speculative-config",
+        r#"{"method": "dspark", "num_speculative_tokens": 7, "synthetic_acceptance_length": 3.78}"#,
+    ]);
+    assert!(ok, "{e}");
+    assert_eq!(syn["stats"]["acceptance_mode"], "synthetic");
+    let (ok, _, e) = run(&[
+        "--speculative-config",
+        r#"{"method": "dspark", "num_speculative_tokens": 9}"#,
+    ]);
+    assert!(!ok && e.contains("drafts blocks of 7"), "{e}");
+}

@@ -7,7 +7,8 @@ use crate::{hash_model_files, sha256_file_cached, ExperimentError, Provenance};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use specula_drafters::{check_shared_vocabulary, Drafter, ModelDrafter, NgramDrafter};
+use specula_drafters::Drafter;
+use specula_engine::build_drafter;
 use specula_engine::{
     generate_batch, GenerationRequest, GoldenAcceptance, SpeculativeConfig, SpeculativeMethod,
     GOLDEN_FORMAT,
@@ -72,7 +73,8 @@ pub struct AcceptanceConfig {
     /// Target model path (default: the embedded default target).
     #[serde(default)]
     pub target: Option<PathBuf>,
-    /// `embedded` (the embedded draft model), `ngram`, or `draft_model:PATH`.
+    /// `embedded` (the embedded draft model), `ngram`, `dspark` (the embedded DSpark drafter),
+    /// `draft_model:PATH` or `dspark:PATH`.
     pub drafters: Vec<String>,
     pub draft_lengths: Vec<usize>,
     pub temperatures: Vec<f32>,
@@ -269,14 +271,26 @@ pub struct RunOptions {
 fn resolve_drafter(
     spec: &str,
     default_models_dir: &Path,
-) -> Result<Option<PathBuf>, ExperimentError> {
+) -> Result<(SpeculativeMethod, Option<PathBuf>), ExperimentError> {
+    let path = |p: &str| Some(PathBuf::from(p));
     match spec {
-        "ngram" => Ok(None),
-        "embedded" => Ok(Some(default_models_dir.join("draft"))),
-        other => match other.strip_prefix("draft_model:") {
-            Some(path) if !path.is_empty() => Ok(Some(PathBuf::from(path))),
+        "ngram" => Ok((SpeculativeMethod::Ngram, None)),
+        "embedded" => Ok((
+            SpeculativeMethod::DraftModel,
+            Some(default_models_dir.join("draft")),
+        )),
+        "dspark" => Ok((
+            SpeculativeMethod::Dspark,
+            Some(default_models_dir.join("dspark")),
+        )),
+        other => match (
+            other.strip_prefix("draft_model:"),
+            other.strip_prefix("dspark:"),
+        ) {
+            (Some(p), _) if !p.is_empty() => Ok((SpeculativeMethod::DraftModel, path(p))),
+            (_, Some(p)) if !p.is_empty() => Ok((SpeculativeMethod::Dspark, path(p))),
             _ => Err(ExperimentError::Config(format!(
-                "unknown drafter {other:?}: use embedded, ngram or draft_model:PATH"
+                "unknown drafter {other:?}: use embedded, ngram, dspark, draft_model:PATH or dspark:PATH"
             ))),
         },
     }
@@ -294,7 +308,7 @@ fn build_manifest(
         json!({"path": target_path.display().to_string(), "sha256": hash_model_files(target_path)?}),
     );
     for d in &config.drafters {
-        if let Some(path) = resolve_drafter(d, default_models_dir)? {
+        if let (_, Some(path)) = resolve_drafter(d, default_models_dir)? {
             models.insert(
                 d.clone(),
                 json!({"path": path.display().to_string(), "sha256": hash_model_files(&path)?}),
@@ -522,7 +536,7 @@ pub fn run_acceptance(
     let mut settings: Vec<(Setting, AcceptanceRule)> = Vec::new();
     let mut skipped_settings = Vec::new();
     for drafter in &config.drafters {
-        let draft_path = resolve_drafter(drafter, &opts.default_models_dir)?;
+        let (method, draft_path) = resolve_drafter(drafter, &opts.default_models_dir)?;
         for &k in &config.draft_lengths {
             for &temperature in &config.temperatures {
                 for rule_name in &config.rules {
@@ -544,11 +558,7 @@ pub fn run_acceptance(
                         continue;
                     }
                     let spec = SpeculativeConfig {
-                        method: if draft_path.is_some() {
-                            SpeculativeMethod::DraftModel
-                        } else {
-                            SpeculativeMethod::Ngram
-                        },
+                        method,
                         model: draft_path.as_ref().map(|p| p.display().to_string()),
                         num_speculative_tokens: k,
                         rejection_sample_method: Some(rule_name.clone()),
@@ -624,7 +634,14 @@ pub fn run_acceptance(
             })
             .collect::<Result<_, _>>()?;
         for drafter_spec in &config.drafters {
-            let mut drafter = make_drafter(drafter_spec, &opts.default_models_dir, dtype, &target)?;
+            let max_k = config.draft_lengths.iter().copied().max().unwrap_or(1);
+            let mut drafter = make_drafter(
+                drafter_spec,
+                &opts.default_models_dir,
+                dtype,
+                &target,
+                max_k,
+            )?;
             for (setting, rule) in settings.iter().filter(|(s, _)| s.drafter == *drafter_spec) {
                 bar.set_message(setting.key());
                 for ((_, prompts), ids) in datasets.iter().zip(&encoded) {
@@ -720,30 +737,18 @@ fn make_drafter(
     default_models_dir: &Path,
     dtype: WeightDtype,
     target: &LoadedModel,
+    max_k: usize,
 ) -> Result<Box<dyn Drafter>, ExperimentError> {
-    match resolve_drafter(spec, default_models_dir)? {
-        None => {
-            let d = SpeculativeConfig::default();
-            Ok(Box::new(NgramDrafter::new(
-                d.prompt_lookup_min,
-                d.prompt_lookup_max,
-            )))
-        }
-        Some(path) => {
-            let draft = load(&path, dtype).map_err(|e| ExperimentError::Load {
-                path: path.clone(),
-                source: e,
-            })?;
-            check_shared_vocabulary(
-                draft.model.config.vocab_size,
-                target.model.config.vocab_size,
-                draft.tokenizer.as_ref(),
-                target.tokenizer.as_ref(),
-            )
-            .map_err(|e| ExperimentError::Config(format!("draft model {}: {e}", path.display())))?;
-            Ok(Box::new(ModelDrafter::new(draft.model)))
-        }
-    }
+    let (method, path) = resolve_drafter(spec, default_models_dir)?;
+    let config = SpeculativeConfig {
+        method,
+        model: path.as_ref().map(|p| p.display().to_string()),
+        num_speculative_tokens: max_k,
+        ..SpeculativeConfig::default()
+    };
+    build_drafter(&config, target, dtype)
+        .map_err(|e| ExperimentError::Config(format!("drafter {spec}: {e}")))?
+        .ok_or_else(|| ExperimentError::Config(format!("drafter {spec} builds no drafter")))
 }
 
 /// A table group: one drafter x temperature x rule x acceptance mode.

@@ -426,3 +426,45 @@ async fn shutdown_finishes_in_flight_streams() {
     // Every step fell back (never silently): counted before the stream had even finished.
     let _ = fallbacks;
 }
+
+/// The seed's DL7 configuration: `{"method": "dspark", "num_speculative_tokens": 7}` with no model
+/// path serves with the DSpark drafter shipped with the embedded target, greedy output equal to
+/// plain decoding; with a synthetic AL of 3.78 the stats say synthetic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dspark_dl7_serves_natural_and_synthetic_acceptance() {
+    let dspark = start(ServerOptions {
+        speculative_config: Some(r#"{"method": "dspark", "num_speculative_tokens": 7}"#.into()),
+        ..ServerOptions::default()
+    })
+    .await;
+    let plain = start(ServerOptions {
+        draft: Some("none".into()),
+        ..ServerOptions::default()
+    })
+    .await;
+    let synthetic = start(ServerOptions {
+        speculative_config: Some(
+            r#"{"method": "dspark", "num_speculative_tokens": 7, "synthetic_acceptance_length": 3.78}"#
+                .into(),
+        ),
+        ..ServerOptions::default()
+    })
+    .await;
+    let body = json!({"prompt": "def read_config(path):", "max_tokens": 32, "temperature": 0});
+    let (sa, a) = post(&dspark.base, "/v1/completions", body.clone()).await;
+    let (sb, b) = post(&plain.base, "/v1/completions", body.clone()).await;
+    let (sc, c) = post(&synthetic.base, "/v1/completions", body).await;
+    assert_eq!((sa, sb, sc), (200, 200, 200));
+    assert_eq!(
+        ids(&a),
+        ids(&b),
+        "greedy DSpark speculation == plain greedy"
+    );
+    let st = &a["specula"]["stats"];
+    assert_eq!(st["acceptance_mode"], "natural");
+    assert!(st["accepted_tokens"].as_u64().unwrap() > 0);
+    assert_eq!(c["specula"]["stats"]["acceptance_mode"], "synthetic");
+    dspark.shutdown().await;
+    plain.shutdown().await;
+    synthetic.shutdown().await;
+}
