@@ -235,3 +235,119 @@ fn drafter_interface_reproduces_the_greedy_draft() {
         .unwrap_err();
     assert!(err.to_string().contains("context rows"), "{err}");
 }
+
+/// A pruned draft vocabulary (`d2t`): the fixture's drafter restricted to a subset S of target ids
+/// that holds the greedy chain. Its logits on S equal the full drafter's, so the greedy draft is the
+/// same; sampled draft distributions put no mass outside S. Both layouts of W1 (target-indexed and
+/// draft-indexed) are checked.
+#[test]
+fn pruned_draft_vocabulary_maps_back_to_target_ids() {
+    use safetensors::tensor::TensorView;
+    let dir = fixture_dir();
+    let expected_bytes = std::fs::read(dir.join("expected.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&expected_bytes).unwrap();
+    let prompt = read_ids(&st, "prompt_ids");
+    let anchor = read_ids(&st, "block_input_ids")[0];
+    let greedy = read_ids(&st, "greedy_draft_tokens");
+    let draft_bytes = std::fs::read(dir.join("dspark_draft.safetensors")).unwrap();
+    let draft = SafeTensors::deserialize(&draft_bytes).unwrap();
+    let mut kept: Vec<u32> = (0..512).filter(|i| i % 3 == 0).collect();
+    kept.extend(greedy.iter().copied());
+    kept.push(anchor);
+    kept.sort_unstable();
+    kept.dedup();
+    let rows = |name: &str, ids: &[u32]| -> (Vec<u8>, Vec<usize>) {
+        let t = draft.tensor(name).unwrap();
+        let cols = t.shape()[1];
+        let mut out = Vec::new();
+        for &i in ids {
+            out.extend_from_slice(&t.data()[i as usize * cols * 4..(i as usize + 1) * cols * 4]);
+        }
+        (out, vec![ids.len(), cols])
+    };
+    let d2t: Vec<u8> = kept
+        .iter()
+        .enumerate()
+        .flat_map(|(i, &t)| (t as i64 - i as i64).to_le_bytes())
+        .collect();
+    for w1_pruned in [false, true] {
+        let mut owned: Vec<(String, Vec<u8>, Vec<usize>, safetensors::Dtype)> = Vec::new();
+        for (name, t) in draft.tensors() {
+            let replaced = match name.as_str() {
+                "lm_head.weight" | "markov_head.markov_w2.weight" => Some(rows(&name, &kept)),
+                "markov_head.markov_w1.weight" if w1_pruned => Some(rows(&name, &kept)),
+                _ => None,
+            };
+            let (data, shape) = replaced.unwrap_or_else(|| (t.data().to_vec(), t.shape().to_vec()));
+            owned.push((name, data, shape, safetensors::Dtype::F32));
+        }
+        owned.push((
+            "d2t".into(),
+            d2t.clone(),
+            vec![kept.len()],
+            safetensors::Dtype::I64,
+        ));
+        let views: Vec<(String, TensorView)> = owned
+            .iter()
+            .map(|(n, d, s, dt)| (n.clone(), TensorView::new(*dt, s.clone(), d).unwrap()))
+            .collect();
+        let path = std::env::temp_dir().join(format!(
+            "specula-dspark-pruned-{}-{w1_pruned}.safetensors",
+            std::process::id()
+        ));
+        std::fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
+
+        let f = load();
+        let dcfg = DSparkConfig::from_file(&dir.join("dspark_config.json")).unwrap();
+        let src = SafetensorsSource::open(std::slice::from_ref(&path)).unwrap();
+        let pruned = DSparkModel::from_source(dcfg, &src, &f.target).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(pruned.draft_vocab(), kept.len());
+        assert_eq!(pruned.draft_to_target().unwrap(), kept.as_slice());
+        let (features, _) = target_features(&f, &prompt);
+        let mut d = DSparkDrafter::new(pruned);
+        let mut committed = prompt.clone();
+        committed.push(anchor);
+        d.add_sequence(1, &committed).unwrap();
+        d.append_target_features(1, 0, &features).unwrap();
+        let mut u = Zero;
+        let p = d
+            .propose(&mut [DraftRequest {
+                seq: 1,
+                max_tokens: 7,
+                sampling: SamplingParams::greedy(),
+                vocab_limit: 512,
+                uniforms: &mut u,
+            }])
+            .unwrap();
+        assert_eq!(p[0].tokens, greedy, "W1 pruned: {w1_pruned}");
+        let mut u = Zero;
+        let p = d
+            .propose(&mut [DraftRequest {
+                seq: 1,
+                max_tokens: 3,
+                sampling: SamplingParams {
+                    temperature: 1.0,
+                    top_k: 0,
+                    top_p: 1.0,
+                },
+                vocab_limit: 512,
+                uniforms: &mut u,
+            }])
+            .unwrap();
+        for (q, &t) in p[0].probs.as_ref().unwrap().iter().zip(&p[0].tokens) {
+            assert_eq!(q.len(), 512);
+            let mass: f64 = q.iter().map(|&v| v as f64).sum();
+            assert!((mass - 1.0).abs() < 1e-5);
+            assert!(q[t as usize] > 0.0 && kept.contains(&t));
+            for (id, &v) in q.iter().enumerate() {
+                if !kept.contains(&(id as u32)) {
+                    assert_eq!(
+                        v, 0.0,
+                        "mass on target id {id} outside the draft vocabulary"
+                    );
+                }
+            }
+        }
+    }
+}

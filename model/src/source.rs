@@ -65,6 +65,13 @@ pub trait TensorSource {
     fn read(&self, name: &str, prefer_bf16: bool) -> Result<TensorValues, ModelError>;
     /// Human-readable description of the source (for errors and reports).
     fn describe(&self) -> String;
+    /// An integer tensor (index maps such as a pruned draft vocabulary's `d2t`), widened to i64.
+    fn read_integers(&self, name: &str) -> Result<Vec<i64>, ModelError> {
+        Err(ModelError::Config(format!(
+            "{}: integer tensor {name} cannot be read from this source",
+            self.describe()
+        )))
+    }
 }
 
 struct SafetensorsFile {
@@ -171,6 +178,34 @@ impl TensorSource for SafetensorsSource {
                 return Err(err(format!(
                     "tensor {name} has dtype {other:?}; supported: F32, F16, BF16"
                 )))
+            }
+        })
+    }
+
+    fn read_integers(&self, name: &str) -> Result<Vec<i64>, ModelError> {
+        let fi = *self
+            .index
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+        let f = &self.files[fi];
+        let info = f.metadata.info(name).expect("indexed from this metadata");
+        let (a, b) = info.data_offsets;
+        let bytes = &f.mmap[f.data_start + a..f.data_start + b];
+        Ok(match info.dtype {
+            Dtype::I64 => bytes
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .collect(),
+            Dtype::I32 => bytes
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")) as i64)
+                .collect(),
+            Dtype::BOOL | Dtype::U8 => bytes.iter().map(|&v| v as i64).collect(),
+            other => {
+                return Err(ModelError::Safetensors {
+                    path: f.path.clone(),
+                    msg: format!("tensor {name} has dtype {other:?}; expected an integer tensor"),
+                })
             }
         })
     }

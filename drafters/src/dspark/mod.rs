@@ -179,9 +179,22 @@ impl Drafter for DSparkDrafter {
         drop(blocks);
         let c = &self.model.config;
         let (g, h) = (c.block_size, c.hidden_size);
-        let vocab = self.model.config.draft_vocab();
+        let vocab = self.model.draft_vocab();
         for ((&i, out), anchor) in active.iter().zip(&outputs).zip(anchors) {
             let r = &mut requests[i];
+            // Draft ids allowed under the request's vocabulary limit (all of them, in order, when
+            // the draft vocabulary is the target's).
+            let allowed: Option<Vec<usize>> = self.model.draft_to_target().map(|map| {
+                (0..map.len())
+                    .filter(|&i| (map[i] as usize) < r.vocab_limit)
+                    .collect()
+            });
+            if allowed.as_ref().is_some_and(|a| a.is_empty()) {
+                return Err(DraftError::Config(format!(
+                    "no token of the pruned draft vocabulary is below the vocabulary limit {}",
+                    r.vocab_limit
+                )));
+            }
             let limit = r.vocab_limit.min(vocab);
             let mut prev = anchor;
             let mut trace = SlotTrace::default();
@@ -198,12 +211,34 @@ impl Drafter for DSparkDrafter {
                 }
                 let mut logits = out.base_logits[j * vocab..(j + 1) * vocab].to_vec();
                 self.model.add_markov_bias(&e, &mut logits);
-                let logits = &logits[..limit];
-                let q = sampling::probabilities(logits, &r.sampling)?;
-                let token = if r.sampling.is_greedy() {
-                    sampling::argmax(logits)?
-                } else {
-                    sampling::sample_from(&q, r.uniforms.next_uniform())
+                let (token, q) = match (&allowed, self.model.draft_to_target()) {
+                    (Some(allowed), Some(map)) => {
+                        // Sample among the draft vocabulary, then place q on the target ids:
+                        // target tokens outside the draft vocabulary get probability 0.
+                        let sub: Vec<f32> = allowed.iter().map(|&i| logits[i]).collect();
+                        let qs = sampling::probabilities(&sub, &r.sampling)?;
+                        let j = if r.sampling.is_greedy() {
+                            sampling::argmax(&sub)?
+                        } else {
+                            sampling::sample_from(&qs, r.uniforms.next_uniform())
+                        } as usize;
+                        let target_limit = r.vocab_limit.min(self.model.config.vocab_size);
+                        let mut q = vec![0f32; target_limit];
+                        for (&i, &p) in allowed.iter().zip(&qs) {
+                            q[map[i] as usize] = p;
+                        }
+                        (map[allowed[j]], q)
+                    }
+                    _ => {
+                        let logits = &logits[..limit];
+                        let q = sampling::probabilities(logits, &r.sampling)?;
+                        let token = if r.sampling.is_greedy() {
+                            sampling::argmax(logits)?
+                        } else {
+                            sampling::sample_from(&q, r.uniforms.next_uniform())
+                        };
+                        (token, q)
+                    }
                 };
                 proposals[i].tokens.push(token);
                 proposals[i].probs.as_mut().expect("set above").push(q);

@@ -42,6 +42,12 @@ pub struct DSparkModel {
     markov_w2: Matrix,
     /// `[hidden (+ rank)]` and bias; `None` without a confidence head.
     confidence: Option<(Vec<f32>, f32)>,
+    /// Pruned draft vocabulary: target id of each draft id (from `d2t`: `i + d2t[i]`); `None` when
+    /// the draft vocabulary is the target's.
+    draft_to_target: Option<Vec<u32>>,
+    /// Markov embedding row of each target id when `markov_w1` is indexed by draft ids (`None`: a
+    /// target token outside the draft vocabulary, whose Markov embedding is zero).
+    markov_row_of_target: Option<Vec<Option<u32>>>,
     inv_freq: Vec<f64>,
 }
 
@@ -157,6 +163,51 @@ fn stack(parts: &[Matrix]) -> Matrix {
     })
 }
 
+/// Reads `d2t` (draft id i -> target id i + d2t[i]) when the checkpoint prunes the draft vocabulary,
+/// checking every mapped id is inside the target vocabulary and distinct.
+fn read_draft_vocabulary(
+    src: &dyn TensorSource,
+    c: &DSparkConfig,
+) -> Result<Option<Vec<u32>>, DraftError> {
+    let Some(shape) = src.shape("d2t") else {
+        if c.draft_vocab_size.is_some_and(|v| v != c.vocab_size) {
+            return Err(DraftError::Config(format!(
+                "draft_vocab_size {} differs from vocab_size {} but the checkpoint has no d2t map",
+                c.draft_vocab(),
+                c.vocab_size
+            )));
+        }
+        return Ok(None);
+    };
+    if shape.len() != 1 || shape[0] == 0 {
+        return Err(DraftError::Config(format!(
+            "d2t has shape {shape:?}; expected [draft vocab]"
+        )));
+    }
+    if c.draft_vocab_size.is_some_and(|v| v != shape[0]) {
+        return Err(DraftError::Config(format!(
+            "draft_vocab_size {} but d2t has {} entries",
+            c.draft_vocab(),
+            shape[0]
+        )));
+    }
+    let offsets = src.read_integers("d2t")?;
+    let mut seen = vec![false; c.vocab_size];
+    let mut map = Vec::with_capacity(offsets.len());
+    for (i, &o) in offsets.iter().enumerate() {
+        let t = i as i64 + o;
+        if t < 0 || t as usize >= c.vocab_size || seen[t as usize] {
+            return Err(DraftError::Config(format!(
+                "d2t maps draft id {i} to target id {t}: outside the vocabulary of {} or repeated",
+                c.vocab_size
+            )));
+        }
+        seen[t as usize] = true;
+        map.push(t as u32);
+    }
+    Ok(Some(map))
+}
+
 impl DSparkModel {
     /// Loads `dir/config.json` + `dir/model.safetensors`. Embedding and LM head come from the
     /// checkpoint when it has them (`embed_tokens.weight`, `lm_head.weight`), else from `target`.
@@ -179,11 +230,6 @@ impl DSparkModel {
                 "the DSpark drafter has vocab_size {}, the target {}",
                 c.vocab_size, tc.vocab_size
             )));
-        }
-        if c.draft_vocab() != c.vocab_size {
-            return Err(DraftError::Config(
-                "pruned draft vocabularies (d2t/t2d) are not supported yet".into(),
-            ));
         }
         if let Some(&l) = c.target_layer_ids.iter().find(|&&l| l >= tc.num_layers) {
             return Err(DraftError::Config(format!(
@@ -224,6 +270,8 @@ impl DSparkModel {
             });
         }
         let norm = vector(src, "norm.weight", h)?;
+        let draft_to_target = read_draft_vocabulary(src, c)?;
+        let draft_vocab = draft_to_target.as_ref().map_or(c.vocab_size, |m| m.len());
         let (embed, lm_head) = {
             let own = |name: &str| -> Result<Option<Matrix>, DraftError> {
                 if src.shape(name).is_some() {
@@ -233,20 +281,55 @@ impl DSparkModel {
                 }
             };
             let embed = own("embed_tokens.weight")?;
-            let lm_head = own("lm_head.weight")?;
+            let lm_head = if src.shape("lm_head.weight").is_some() {
+                Some(matrix(src, "lm_head.weight", draft_vocab, h)?)
+            } else {
+                None
+            };
             if (embed.is_none() || lm_head.is_none()) && th != h {
                 return Err(DraftError::Config(format!(
                     "the DSpark drafter (hidden {h}) shares the target's embedding or LM head, \
                      but the target's hidden size is {th}"
                 )));
             }
-            (
-                embed.unwrap_or_else(|| target.embedding().clone()),
-                lm_head.unwrap_or_else(|| target.lm_head().clone()),
-            )
+            let lm_head = match (lm_head, &draft_to_target) {
+                (Some(m), _) => m,
+                (None, None) => target.lm_head().clone(),
+                // A shared LM head restricted to the draft vocabulary: the target's rows of the
+                // kept ids.
+                (None, Some(map)) => {
+                    let full = target.lm_head();
+                    let mut data = vec![0f32; map.len() * h];
+                    for (i, &t) in map.iter().enumerate() {
+                        full.row_to_f32(t as usize, &mut data[i * h..(i + 1) * h]);
+                    }
+                    Matrix::from_f32(map.len(), h, data)
+                }
+            };
+            (embed.unwrap_or_else(|| target.embedding().clone()), lm_head)
         };
-        let markov_w1 = matrix(src, "markov_head.markov_w1.weight", c.vocab_size, r)?;
-        let markov_w2 = matrix(src, "markov_head.markov_w2.weight", c.draft_vocab(), r)?;
+        // W1 is indexed by target ids, or by draft ids in some pruned checkpoints.
+        let w1_rows = src
+            .shape("markov_head.markov_w1.weight")
+            .and_then(|s| s.first().copied())
+            .unwrap_or(c.vocab_size);
+        let markov_row_of_target = match &draft_to_target {
+            Some(map) if w1_rows == map.len() && map.len() != c.vocab_size => {
+                let mut rows = vec![None; c.vocab_size];
+                for (i, &t) in map.iter().enumerate() {
+                    rows[t as usize] = Some(i as u32);
+                }
+                Some(rows)
+            }
+            _ => None,
+        };
+        let w1_expected = if markov_row_of_target.is_some() {
+            draft_vocab
+        } else {
+            c.vocab_size
+        };
+        let markov_w1 = matrix(src, "markov_head.markov_w1.weight", w1_expected, r)?;
+        let markov_w2 = matrix(src, "markov_head.markov_w2.weight", draft_vocab, r)?;
         let confidence = if c.enable_confidence_head {
             let width = if c.confidence_head_with_markov {
                 h + r
@@ -272,6 +355,8 @@ impl DSparkModel {
             markov_w1,
             markov_w2,
             confidence,
+            draft_to_target,
+            markov_row_of_target,
             inv_freq,
             config,
         })
@@ -462,11 +547,28 @@ impl DSparkModel {
             .collect())
     }
 
-    /// The Markov embedding `W1[prev]` (`[rank]`).
+    /// The Markov embedding `W1[prev]` (`[rank]`) of a target token (zero for a token outside a
+    /// pruned draft vocabulary when W1 is indexed by draft ids).
     pub fn markov_embedding(&self, prev: u32) -> Vec<f32> {
         let mut e = vec![0f32; self.config.markov_rank];
-        self.markov_w1.row_to_f32(prev as usize, &mut e);
+        let row = match &self.markov_row_of_target {
+            None => Some(prev),
+            Some(rows) => rows.get(prev as usize).copied().flatten(),
+        };
+        if let Some(row) = row {
+            self.markov_w1.row_to_f32(row as usize, &mut e);
+        }
         e
+    }
+
+    /// Target id of each draft id for a pruned draft vocabulary; `None` when drafts are target ids.
+    pub fn draft_to_target(&self) -> Option<&[u32]> {
+        self.draft_to_target.as_deref()
+    }
+
+    /// Size of the draft vocabulary (rows of base logits).
+    pub fn draft_vocab(&self) -> usize {
+        self.lm_head.rows
     }
 
     /// Adds the Markov bias `W2 W1[prev]` to one slot's base logits (`[draft vocab]`).
