@@ -123,7 +123,9 @@ impl DSparkConfig {
         }
         if self.num_attention_heads == 0
             || self.num_key_value_heads == 0
-            || self.num_attention_heads % self.num_key_value_heads != 0
+            || !self
+                .num_attention_heads
+                .is_multiple_of(self.num_key_value_heads)
         {
             return bad(format!(
                 "num_attention_heads {} must be a positive multiple of num_key_value_heads {}",
@@ -131,7 +133,7 @@ impl DSparkConfig {
             ));
         }
         let hd = self.head_dim();
-        if hd == 0 || hd % 2 != 0 {
+        if hd == 0 || !hd.is_multiple_of(2) {
             return bad(format!("head_dim must be positive and even, got {hd}"));
         }
         if !(1..=16).contains(&self.block_size) {

@@ -385,7 +385,7 @@ impl DSparkModel {
         features: &[f32],
     ) -> Result<(), DraftError> {
         let w = self.feature_width();
-        if features.len() % w != 0 {
+        if !features.len().is_multiple_of(w) {
             return Err(DraftError::Config(format!(
                 "context features of length {} are not rows of {w}",
                 features.len()
