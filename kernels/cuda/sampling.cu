@@ -5,6 +5,8 @@
 //   row_inv_sums      that scale (and the verifier's row validation) for rows that came from elsewhere;
 //   verify_drafts     one CTA per sequence runs the sequence's acceptance rule (greedy, standard, block,
 //                     synthetic), a port of verifier/src/rules.rs, drawing uniforms from Philox4x32-10;
+//                     row_argmax_chunks and block_residual_masses do its whole-row work beforehand
+//                     across many CTAs;
 //   philox4x32_10_blocks  the raw generator, so the host can check it against kernels/src/philox.rs.
 // Nothing here synchronises with the host: errors become status codes in device buffers that the host
 // reads with the step's one readback.
@@ -102,6 +104,30 @@ struct Scratch {
     u32 bu;
 };
 
+// One CTA streams a 150k-entry row only as fast as its loads in flight allow (Little's law: one load
+// per thread leaves an SM at a few GB/s). So every pass over a row goes through `strided`, which issues
+// SPL_UNROLL independent loads per thread before using any of them; the uses still happen in index
+// order per thread, so results are the same as the plain loop's.
+#define SPL_UNROLL 8
+
+// use(x, load(x)) for x = start, start + step, ... < end, in that order.
+template <class T, class L, class U>
+__device__ __forceinline__ void strided(int start, int end, int step, const L& load, U&& use) {
+    for (int base = start; base < end; base += SPL_UNROLL * step) {
+        T v[SPL_UNROLL];
+#pragma unroll
+        for (int u = 0; u < SPL_UNROLL; ++u) {
+            int x = base + u * step;
+            if (x < end) v[u] = load(x);
+        }
+#pragma unroll
+        for (int u = 0; u < SPL_UNROLL; ++u) {
+            int x = base + u * step;
+            if (x < end) use(x, v[u]);
+        }
+    }
+}
+
 __device__ __forceinline__ double warp_sum_d(double v) {
     // Butterfly: lanes add the same two values in either order, so every lane ends with the same bits.
 #pragma unroll
@@ -197,16 +223,8 @@ __device__ int block_max_i(int v, Scratch& sc) {
 
 // Index of the largest value, the lowest index on ties (sampling::argmax and the verifier's argmax);
 // SPL_INT_MAX when no value beats -inf (the caller maps that to 0, as the CPU loop does).
-__device__ int block_argmax(const float* row, int n, Scratch& sc, float* best_value) {
-    float bv = SPL_F32_NEG_INF;
-    int bi = SPL_INT_MAX;
-    for (int x = threadIdx.x; x < n; x += blockDim.x) {
-        float v = row[x];
-        if (v > bv) {
-            bv = v;
-            bi = x;
-        }
-    }
+// Combines per-thread (best value, its lowest index) pairs.
+__device__ int block_argmax_reduce(float bv, int bi, Scratch& sc, float* best_value) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         float ov = __shfl_xor_sync(SPL_FULL, bv, o);
@@ -245,6 +263,18 @@ __device__ int block_argmax(const float* row, int n, Scratch& sc, float* best_va
     if (best_value) *best_value = sc.f[0];
     __syncthreads();
     return r;
+}
+
+__device__ int block_argmax(const float* row, int n, Scratch& sc, float* best_value) {
+    float bv = SPL_F32_NEG_INF;
+    int bi = SPL_INT_MAX;
+    strided<float>(threadIdx.x, n, blockDim.x, [&](int x) { return row[x]; }, [&](int x, float v) {
+        if (v > bv) {
+            bv = v;
+            bi = x;
+        }
+    });
+    return block_argmax_reduce(bv, bi, sc, best_value);
 }
 
 // Inclusive and exclusive prefix sums of one value per thread, in thread order. The exclusive value of
@@ -351,11 +381,10 @@ __device__ void segment_sums(const W& w, int n, int seg_len, double* sum_out, in
         int hi = min(lo + seg_len, n);
         double acc = 0.0;
         int last = -1;
-        for (int x = lo + lane; x < hi; x += 32) {
-            double v = w(x);
+        strided<double>(lo + lane, hi, 32, w, [&](int x, double v) {
             acc += v;
             if (v > 0.0) last = x;
-        }
+        });
         acc = warp_sum_d(acc);
         last = warp_max_i(last);
         if (lane == j) {
@@ -391,21 +420,26 @@ __device__ int block_sample(const W& w, int n, double u, Scratch& sc, double* to
         double carry = sc.bd2;
         int result = -1;
         int lo = seg * seg_len, hi = min(lo + seg_len, n);
-        for (int x0 = lo; x0 < hi; x0 += 32) {
-            int x = x0 + lane;
-            double v = x < hi ? w(x) : 0.0;
-            double c = v;
+        for (int g = lo; g < hi && result < 0; g += 32 * SPL_UNROLL) {
+            double vs[SPL_UNROLL];
 #pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                double y = __shfl_up_sync(SPL_FULL, c, o);
-                if (lane >= o) c += y;
+            for (int u = 0; u < SPL_UNROLL; ++u) {
+                int x = g + 32 * u + lane;
+                vs[u] = x < hi ? w(x) : 0.0;
             }
-            unsigned hit = __ballot_sync(SPL_FULL, v > 0.0 && target < carry + c);
-            if (hit) {
-                result = x0 + __ffs(hit) - 1;
-                break;
+#pragma unroll
+            for (int u = 0; u < SPL_UNROLL; ++u) {
+                double v = vs[u];
+                double c = v;
+#pragma unroll
+                for (int o = 1; o < 32; o <<= 1) {
+                    double y = __shfl_up_sync(SPL_FULL, c, o);
+                    if (lane >= o) c += y;
+                }
+                unsigned hit = __ballot_sync(SPL_FULL, v > 0.0 && target < carry + c);
+                if (hit && result < 0) result = g + 32 * u + __ffs(hit) - 1;
+                carry = carry + __shfl_sync(SPL_FULL, c, 31);
             }
-            carry = carry + __shfl_sync(SPL_FULL, c, 31);
         }
         if (result < 0) result = sc.bi2;
         if (lane == 0) sc.bi = result;
@@ -416,10 +450,11 @@ __device__ int block_sample(const W& w, int n, double u, Scratch& sc, double* to
     return r;
 }
 
+// sum of w(x) over [lo, hi), strided per thread then reduced in a fixed order.
 template <class W>
-__device__ double block_weight_sum(const W& w, int n, Scratch& sc) {
+__device__ double block_weight_sum(const W& w, int lo, int hi, Scratch& sc) {
     double acc = 0.0;
-    for (int x = threadIdx.x; x < n; x += blockDim.x) acc += w(x);
+    strided<double>(lo + threadIdx.x, hi, blockDim.x, w, [&](int, double v) { acc += v; });
     return block_sum_d(acc, sc);
 }
 
@@ -434,12 +469,11 @@ extern "C" __global__ void row_inv_sums(const float* rows, int n, double* inv_su
     const float* r = rows + (size_t)blockIdx.x * n;
     double acc = 0.0;
     int bad = 0;
-    for (int x = threadIdx.x; x < n; x += blockDim.x) {
-        float v = r[x];
+    strided<float>(threadIdx.x, n, blockDim.x, [&](int x) { return r[x]; }, [&](int, float v) {
         // Not (finite and >= 0): NaN fails every comparison.
         if (!(v >= 0.0f && v < SPL_F32_INF)) bad = 1;
         acc += (double)v;
-    }
+    });
     double sum = block_sum_d(acc, sc);
     bad = block_sum_i(bad, sc);
     if (threadIdx.x == 0) {
@@ -474,15 +508,20 @@ __device__ u32 select_kth_largest(const float* p, int n, u32 k, u32* hist, Scrat
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
         __syncthreads();
-        for (int x0 = 0; x0 < n; x0 += blockDim.x) {
-            int x = x0 + threadIdx.x;
-            u32 bin = 256;
-            if (x < n) {
-                u32 bits = __float_as_uint(p[x]);
-                if ((bits & mask) == prefix) bin = (bits >> shift) & 255u;
+        for (int g = 0; g < n; g += blockDim.x * SPL_UNROLL) {
+            u32 bits[SPL_UNROLL];
+#pragma unroll
+            for (int u = 0; u < SPL_UNROLL; ++u) {
+                int x = g + u * blockDim.x + threadIdx.x;
+                bits[u] = x < n ? __float_as_uint(p[x]) : 0xffffffffu;
             }
-            u32 peers = __match_any_sync(SPL_FULL, bin);
-            if (bin < 256 && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (u32)__popc(peers));
+#pragma unroll
+            for (int u = 0; u < SPL_UNROLL; ++u) {
+                // 0xffffffff is no probability's bit pattern (a NaN): the padding of the last tile.
+                u32 bin = (bits[u] != 0xffffffffu && (bits[u] & mask) == prefix) ? (bits[u] >> shift) & 255u : 256u;
+                u32 peers = __match_any_sync(SPL_FULL, bin);
+                if (bin < 256 && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (u32)__popc(peers));
+            }
         }
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -517,11 +556,11 @@ __device__ u32 select_mass_boundary(const float* p, int n, u32 kb, int kcut, dou
     double above = 0.0;
     for (int shift = 28; shift >= 0; shift -= 4) {
         for (int d = 0; d < 16; ++d) bins[d * nt + threadIdx.x] = 0.0;
-        for (int x = threadIdx.x; x < n; x += nt) {
-            u32 bits = __float_as_uint(p[x]);
+        strided<float>(threadIdx.x, n, nt, [&](int x) { return p[x]; }, [&](int x, float v) {
+            u32 bits = __float_as_uint(v);
             if (kept_by(bits, x, kb, kcut) && (bits & mask) == prefix)
-                bins[((bits >> shift) & 15u) * nt + threadIdx.x] += (double)p[x];
-        }
+                bins[((bits >> shift) & 15u) * nt + threadIdx.x] += (double)v;
+        });
         __syncthreads();
         {
             // 256 threads: bin t / 16, part t % 16 sums threads part*16 .. part*16+15 of that bin.
@@ -572,10 +611,10 @@ __device__ u32 select_mass_boundary(const float* p, int n, u32 kb, int kcut, dou
 // Entries with bits == value among those kept by (kb, kcut): their count.
 __device__ int count_equal(const float* p, int n, u32 value, u32 kb, int kcut, Scratch& sc) {
     int c = 0;
-    for (int x = threadIdx.x; x < n; x += blockDim.x) {
-        u32 bits = __float_as_uint(p[x]);
+    strided<float>(threadIdx.x, n, blockDim.x, [&](int x) { return p[x]; }, [&](int x, float v) {
+        u32 bits = __float_as_uint(v);
         if (bits == value && kept_by(bits, x, kb, kcut)) c++;
-    }
+    });
     return block_sum_i(c, sc);
 }
 
@@ -589,15 +628,11 @@ __device__ int locate_mth_equal(const float* p, int n, u32 value, u32 kb, int kc
     for (int j = 0; j < 32; ++j) {
         int lo = (warp * 32 + j) * seg_len, hi = min(lo + seg_len, n);
         int cnt = 0;
-        for (int x0 = lo; x0 < hi; x0 += 32) {
-            int x = x0 + lane;
-            bool hit = false;
-            if (x < hi) {
-                u32 bits = __float_as_uint(p[x]);
-                hit = bits == value && kept_by(bits, x, kb, kcut);
-            }
-            cnt += __popc(__ballot_sync(SPL_FULL, hit));
-        }
+        strided<float>(lo + lane, hi, 32, [&](int x) { return p[x]; }, [&](int x, float v) {
+            u32 bits = __float_as_uint(v);
+            if (bits == value && kept_by(bits, x, kb, kcut)) cnt++;
+        });
+        cnt = warp_sum_i(cnt);
         if (lane == j) mine = cnt;
     }
     int incl, excl;
@@ -660,16 +695,21 @@ extern "C" __global__ void __launch_bounds__(SPL_PROBS_THREADS)
     int best = SPL_INT_MAX;
     if (error == SPL_OK) {
         // -inf is a legitimate mask; NaN and +inf are model failures (sampling::check_finite).
-        for (int x = threadIdx.x; x < vocab; x += nt) {
-            float v = l[x];
+        // One pass finds the first bad index and the argmax (meaningful only without a bad value).
+        float bv = SPL_F32_NEG_INF;
+        int bi = SPL_INT_MAX;
+        strided<float>(threadIdx.x, vocab, nt, [&](int x) { return l[x]; }, [&](int x, float v) {
             if (v != v || v == SPL_F32_INF) bad = min(bad, x);
-        }
+            if (v > bv) {
+                bv = v;
+                bi = x;
+            }
+        });
         bad = block_min_i(bad, sc);
+        best = block_argmax_reduce(bv, bi, sc, &max_value);
         if (bad != SPL_INT_MAX) {
             error = SPL_NON_FINITE_LOGIT;
             detail = bad;
-        } else {
-            best = block_argmax(l, vocab, sc, &max_value);
         }
     }
     const float temperature = temperatures[row];
@@ -699,15 +739,15 @@ extern "C" __global__ void __launch_bounds__(SPL_PROBS_THREADS)
     const double inv_t = 1.0 / (double)temperature;
     const double max_d = (double)max_value;
     double sum_e = 0.0;
-    for (int x = threadIdx.x; x < row_stride; x += nt) {
+    strided<float>(threadIdx.x, row_stride, nt, [&](int x) { return x < vocab ? l[x] : 0.0f; }, [&](int x, float v) {
         if (x < vocab) {
-            double e = exp(__dmul_rn(__dsub_rn((double)l[x], max_d), inv_t));
+            double e = exp(__dmul_rn(__dsub_rn((double)v, max_d), inv_t));
             p[x] = (float)e;
             sum_e += e;
         } else {
             p[x] = 0.0f;
         }
-    }
+    });
     double sum = block_sum_d(sum_e, sc);  // its barriers also publish p to the whole block
 
     const u32 top_k = top_ks[row];
@@ -724,10 +764,9 @@ extern "C" __global__ void __launch_bounds__(SPL_PROBS_THREADS)
     }
     if (by_p) {
         double kept_mass = 0.0;
-        for (int x = threadIdx.x; x < vocab; x += nt) {
-            u32 bits = __float_as_uint(p[x]);
-            if (kept_by(bits, x, kb, kcut)) kept_mass += (double)p[x];
-        }
+        strided<float>(threadIdx.x, vocab, nt, [&](int x) { return p[x]; }, [&](int x, float v) {
+            if (kept_by(__float_as_uint(v), x, kb, kcut)) kept_mass += (double)v;
+        });
         kept_mass = block_sum_d(kept_mass, sc);
         const double target = __dmul_rn((double)top_p, kept_mass);
         double above;
@@ -744,22 +783,21 @@ extern "C" __global__ void __launch_bounds__(SPL_PROBS_THREADS)
     if (by_k || by_p) {
         // The restricted sum is over the kept f32 values, widened (as the CPU sums order[..keep]).
         double s = 0.0;
-        for (int x = threadIdx.x; x < vocab; x += nt) {
-            u32 bits = __float_as_uint(p[x]);
-            if (kept_by(bits, x, kb, kcut) && kept_by(bits, x, pb, pcut)) s += (double)p[x];
-        }
+        strided<float>(threadIdx.x, vocab, nt, [&](int x) { return p[x]; }, [&](int x, float v) {
+            u32 bits = __float_as_uint(v);
+            if (kept_by(bits, x, kb, kcut) && kept_by(bits, x, pb, pcut)) s += (double)v;
+        });
         sum = block_sum_d(s, sc);
     }
     const double inv = 1.0 / sum;
     double written = 0.0;
-    for (int x = threadIdx.x; x < vocab; x += nt) {
-        float v = p[x];
+    strided<float>(threadIdx.x, vocab, nt, [&](int x) { return p[x]; }, [&](int x, float v) {
         u32 bits = __float_as_uint(v);
         float out = (kept_by(bits, x, kb, kcut) && kept_by(bits, x, pb, pcut)) ? (float)__dmul_rn((double)v, inv)
                                                                                  : 0.0f;
         p[x] = out;
         written += (double)out;
-    }
+    });
     written = block_sum_d(written, sc);
     if (threadIdx.x == 0) {
         inv_sums[row] = 1.0 / written;
@@ -769,35 +807,143 @@ extern "C" __global__ void __launch_bounds__(SPL_PROBS_THREADS)
 }
 
 // ---------------------------------------------------------------------------------------------------
-// verify_drafts: one CTA per sequence b, any power-of-two block size 32..1024.
-//
-// Inputs, with K = k_max and V = vocab:
+// Verification. Inputs, with B sequences, K = k_max and V = vocab:
 //   target_probs [B, K+1, V], target_inv_sums [B, K+1]   P_1..P_{k+1} of the sequence and their scales
 //   draft_probs [B, K, V], draft_inv_sums [B, K]          Q_1..Q_k (read only if has_draft_probs; else one-hot)
 //   draft_tokens [B, K], num_drafts [B] (k <= K), rules [B], rates [B, K] (synthetic conditional rates;
 //   NaN marks a slot the configuration does not cover), seeds [B], offsets [B] (Philox step counter:
 //   read, then advanced by one, so consecutive steps of a request never reuse uniforms).
-// Output out [B, K+4]: status, detail, num_accepted, emitted tokens (num_accepted + 1 of them).
+//
+// The work that needs whole rows but not the step's random decisions runs first, spread over many CTAs
+// (one CTA per sequence could only stream rows at one SM's bandwidth):
+//   row_argmax_chunks       argmax of every chunk of every target row (greedy sequences);
+//   block_residual_masses   the block rule's Z_i for i < k, as partial sums per chunk.
+// verify_drafts then runs each sequence's rule in one CTA, combining the chunk results in chunk order
+// (so the answers are the same whatever the launch shape), and makes the one pass it cannot avoid: the
+// inverse-CDF draw of the emitted target token.
+
+// Chunks of this many entries per pre-pass CTA (16 chunks for a 128k vocabulary).
+#define SPL_CHUNK 8192
+
+// Grid: (chunks, B * (K+1)). arg_val/arg_idx [B * (K+1), chunks]: the largest value of the chunk and its
+// lowest index (SPL_INT_MAX when nothing beats -inf).
+extern "C" __global__ void row_argmax_chunks(const float* target_probs, int vocab, int chunks, float* arg_val,
+                                             int* arg_idx) {
+    __shared__ Scratch sc;
+    const int c = blockIdx.x, row = blockIdx.y;
+    const float* r = target_probs + (size_t)row * vocab;
+    const int lo = c * SPL_CHUNK, hi = min(lo + SPL_CHUNK, vocab);
+    float bv = SPL_F32_NEG_INF;
+    int bi = SPL_INT_MAX;
+    strided<float>(lo + threadIdx.x, hi, blockDim.x, [&](int x) { return r[x]; }, [&](int x, float v) {
+        if (v > bv) {
+            bv = v;
+            bi = x;
+        }
+    });
+    float best;
+    int at = block_argmax_reduce(bv, bi, sc, &best);
+    if (threadIdx.x == 0) {
+        arg_val[(size_t)row * chunks + c] = best;
+        arg_idx[(size_t)row * chunks + c] = at;
+    }
+}
+
+// P_{row+1}(x) and Q_{row+1}(x) as CheckedInput::target_prob / draft_prob read them.
+struct SeqView {
+    const float* P;
+    const double* p_scale;
+    const float* Q;  // nullptr: one-hot drafter
+    const double* q_scale;
+    const u32* xs;
+    size_t V;
+    __device__ __forceinline__ double target_prob(int row, u32 x) const {
+        return __dmul_rn((double)P[row * V + x], p_scale[row]);
+    }
+    __device__ __forceinline__ double draft_prob(int row, u32 x) const {
+        return Q ? __dmul_rn((double)Q[row * V + x], q_scale[row]) : (x == xs[row] ? 1.0 : 0.0);
+    }
+    // The block rule's p_i = min(1, p_{i-1} P_i(x_i) / Q_i(x_i)), p_0 = 1 (the same operations in every
+    // kernel that needs it, so they agree bitwise).
+    __device__ __forceinline__ double block_weight(int i) const {
+        double w = 1.0;
+        for (int s = 0; s < i; ++s) {
+            double ratio = target_prob(s, xs[s]) / draft_prob(s, xs[s]);
+            double next = w * ratio;
+            w = next < 1.0 ? next : 1.0;
+        }
+        return w;
+    }
+    // max(weight * P_{row+1} - Q_{row+1}, 0), as CheckedInput::residual.
+    __device__ __forceinline__ ResidualWeight residual(int row, double weight) const {
+        ResidualWeight w = {P + (size_t)row * V, Q ? Q + (size_t)row * V : nullptr, p_scale[row],
+                            Q ? q_scale[row] : 1.0, weight, (int)xs[row]};
+        return w;
+    }
+};
+
+__device__ __forceinline__ SeqView seq_view(int b, const float* target_probs, const double* target_inv_sums,
+                                            const float* draft_probs, const double* draft_inv_sums,
+                                            int has_draft_probs, const u32* draft_tokens, int k_max, int vocab) {
+    SeqView v;
+    v.V = (size_t)vocab;
+    v.P = target_probs + (size_t)b * (k_max + 1) * v.V;
+    v.p_scale = target_inv_sums + (size_t)b * (k_max + 1);
+    v.Q = has_draft_probs ? draft_probs + (size_t)b * k_max * v.V : nullptr;
+    v.q_scale = has_draft_probs ? draft_inv_sums + (size_t)b * k_max : nullptr;
+    v.xs = draft_tokens + (size_t)b * k_max;
+    return v;
+}
+
+// Grid: (chunks, max(K-1, 1), B). z_partial [B, max(K-1, 1), chunks]: for block-rule sequence b and
+// i = blockIdx.y + 1 < k, sum over chunk c of max(p_i P_{i+1}(x) - Q_{i+1}(x), 0); 0 elsewhere. A sequence
+// whose input is invalid gets zeros (verify_drafts reports it without reading them).
+extern "C" __global__ void block_residual_masses(const float* target_probs, const double* target_inv_sums,
+                                                 const float* draft_probs, const double* draft_inv_sums,
+                                                 int has_draft_probs, const u32* draft_tokens,
+                                                 const int* num_drafts, const int* rules, int k_max, int vocab,
+                                                 int chunks, double* z_partial) {
+    __shared__ Scratch sc;
+    const int c = blockIdx.x, i = blockIdx.y + 1, b = blockIdx.z;
+    double* out = z_partial + ((size_t)b * gridDim.y + blockIdx.y) * chunks + c;
+    const int k = num_drafts[b];
+    bool run = rules[b] == SPL_RULE_BLOCK && k >= 0 && k <= k_max && i < k;
+    const SeqView v = seq_view(b, target_probs, target_inv_sums, draft_probs, draft_inv_sums, has_draft_probs,
+                               draft_tokens, k_max, vocab);
+    for (int s = 0; run && s <= i; ++s)
+        if (v.xs[s] >= (u32)vocab) run = false;
+    if (!run) {
+        if (threadIdx.x == 0) *out = 0.0;
+        return;
+    }
+    const int lo = c * SPL_CHUNK, hi = min(lo + SPL_CHUNK, vocab);
+    // Row i holds P_{i+1} and Q_{i+1}.
+    double z = block_weight_sum(v.residual(i, v.block_weight(i)), lo, hi, sc);
+    if (threadIdx.x == 0) *out = z;
+}
+
+__device__ __forceinline__ bool valid_scale(double s) { return s > 0.0 && s <= SPL_F64_MAX; }
+
+// One CTA per sequence, any power-of-two block size 32..1024. Output out [B, K+4]: status, detail,
+// num_accepted, emitted tokens (num_accepted + 1 of them). Needs row_argmax_chunks' results when a
+// sequence is greedy and block_residual_masses' when one uses the block rule (same chunks).
 //
 // Uniform consumption per step matches AcceptanceRule::verify: greedy none; standard and synthetic one
 // per examined slot plus one for the target token; block exactly k plus one. So the CPU verifier fed
 // PhiloxStream(seed, offset) makes the same decisions.
-
-__device__ __forceinline__ bool valid_scale(double s) { return s > 0.0 && s <= SPL_F64_MAX; }
-
-extern "C" __global__ void verify_drafts(const float* target_probs, const double* target_inv_sums,
-                                         const float* draft_probs, const double* draft_inv_sums,
-                                         int has_draft_probs, const u32* draft_tokens, const int* num_drafts,
-                                         const int* rules, const double* rates, const u64* seeds,
-                                         u64* offsets, int k_max, int vocab, int* out) {
+extern "C" __global__ void __launch_bounds__(1024)
+    verify_drafts(const float* target_probs, const double* target_inv_sums, const float* draft_probs,
+                  const double* draft_inv_sums, int has_draft_probs, const u32* draft_tokens, const int* num_drafts,
+                  const int* rules, const double* rates, const u64* seeds, u64* offsets, int k_max, int vocab,
+                  int chunks, const float* arg_val, const int* arg_idx, const double* z_partial, int* out) {
     __shared__ Scratch sc;
     const int b = blockIdx.x;
-    const size_t V = (size_t)vocab;
-    const float* P = target_probs + (size_t)b * (k_max + 1) * V;
-    const double* p_scale = target_inv_sums + (size_t)b * (k_max + 1);
-    const float* Q = has_draft_probs ? draft_probs + (size_t)b * k_max * V : nullptr;
-    const double* q_scale = has_draft_probs ? draft_inv_sums + (size_t)b * k_max : nullptr;
-    const u32* xs = draft_tokens + (size_t)b * k_max;
+    const SeqView v = seq_view(b, target_probs, target_inv_sums, draft_probs, draft_inv_sums, has_draft_probs,
+                               draft_tokens, k_max, vocab);
+    const size_t V = v.V;
+    const float* P = v.P;
+    const float* Q = v.Q;
+    const u32* xs = v.xs;
     const double* rate = rates + (size_t)b * k_max;
     const int k = num_drafts[b];
     const int rule = rules[b];
@@ -819,12 +965,12 @@ extern "C" __global__ void verify_drafts(const float* target_probs, const double
             detail = s;
         }
     for (int r = 0; error == SPL_OK && r <= k; ++r)
-        if (!valid_scale(p_scale[r])) {
+        if (!valid_scale(v.p_scale[r])) {
             error = SPL_INVALID_TARGET_ROW;
             detail = r;
         }
     for (int r = 0; error == SPL_OK && Q && r < k; ++r)
-        if (!valid_scale(q_scale[r])) {
+        if (!valid_scale(v.q_scale[r])) {
             error = SPL_INVALID_DRAFT_ROW;
             detail = r;
         }
@@ -847,27 +993,28 @@ extern "C" __global__ void verify_drafts(const float* target_probs, const double
         return;
     }
 
-    // P_{row+1}(x) and Q_{row+1}(x) as CheckedInput::target_prob / draft_prob read them.
-#define TARGET_PROB(row, x) __dmul_rn((double)P[(row) * V + (x)], p_scale[row])
-#define DRAFT_PROB(row, x) (Q ? __dmul_rn((double)Q[(row) * V + (x)], q_scale[row]) : ((u32)(x) == xs[row] ? 1.0 : 0.0))
-
     u32 draw = 0;
     int accepted = 0;
     int token = 0;
     if (rule == SPL_RULE_GREEDY) {
+        // Accept while x_i == argmax P_i; emit the argmax at the first mismatch, or of P_{k+1}. The row's
+        // argmax is the first chunk's best among the largest chunk values (chunks in index order).
         accepted = k;
-        for (int s = 0; s < k; ++s) {
-            int best = block_argmax(P + s * V, vocab, sc, nullptr);
+        for (int s = 0; s <= k; ++s) {
+            const size_t base = ((size_t)b * (k_max + 1) + s) * chunks;
+            float bv = SPL_F32_NEG_INF;
+            int best = SPL_INT_MAX;
+            for (int c = 0; c < chunks; ++c)
+                if (arg_val[base + c] > bv) {
+                    bv = arg_val[base + c];
+                    best = arg_idx[base + c];
+                }
             if (best == SPL_INT_MAX) best = 0;
-            if ((u32)best != xs[s]) {
+            if (s == k || (u32)best != xs[s]) {
                 accepted = s;
                 token = best;
                 break;
             }
-        }
-        if (accepted == k) {
-            int best = block_argmax(P + (size_t)k * V, vocab, sc, nullptr);
-            token = best == SPL_INT_MAX ? 0 : best;
         }
     } else if (rule == SPL_RULE_STANDARD || rule == SPL_RULE_SYNTHETIC) {
         // Standard: accept x_i with min(1, P_i(x_i) / Q_i(x_i)); at the first rejection draw from
@@ -877,7 +1024,7 @@ extern "C" __global__ void verify_drafts(const float* target_probs, const double
         for (int s = 0; s < k; ++s) {
             double prob;
             if (rule == SPL_RULE_STANDARD) {
-                double ratio = TARGET_PROB(s, xs[s]) / DRAFT_PROB(s, xs[s]);
+                double ratio = v.target_prob(s, xs[s]) / v.draft_prob(s, xs[s]);
                 prob = ratio < 1.0 ? ratio : 1.0;
             } else {
                 prob = rate[s];
@@ -889,67 +1036,49 @@ extern "C" __global__ void verify_drafts(const float* target_probs, const double
             }
         }
         double u = philox_uniform(seed, offset, draw++);
-        const float* row = P + (size_t)accepted * V;
         token = -1;
-        if (accepted < k && rule == SPL_RULE_STANDARD) {
-            ResidualWeight w = {row, Q ? Q + (size_t)accepted * V : nullptr, p_scale[accepted],
-                                Q ? q_scale[accepted] : 1.0, 1.0, (int)xs[accepted]};
-            token = block_sample(w, vocab, u, sc, nullptr);
-        }
+        if (accepted < k && rule == SPL_RULE_STANDARD) token = block_sample(v.residual(accepted, 1.0), vocab, u, sc, nullptr);
         if (token < 0) {
-            RowWeight w = {row};
+            RowWeight w = {P + (size_t)accepted * V};
             token = block_sample(w, vocab, u, sc, nullptr);
         }
     } else {
         // Block verification (Sun et al. 2024, Algorithm 2) as verifier/src/rules.rs writes it:
         // p_0 = 1, p_i = min(1, p_{i-1} P_i(x_i) / Q_i(x_i)); h_i = Z_i / (Z_i + 1 - p_i) with
         // Z_i = sum_x max(p_i P_{i+1}(x) - Q_{i+1}(x), 0) for i < k (0 when that is 0/0), h_k = p_k;
-        // u_1..u_k are all drawn; tau = the largest i with u_i < h_i. Since tau only needs h_i for
-        // i >= tau, the h_i are evaluated from i = k down and the search stops at the first success:
-        // the same tau, without the passes over rows below it.
-        double weights[65];  // k_max <= 64 (checked on the host)
-        weights[0] = 1.0;
-        for (int i = 1; i <= k; ++i) {
-            double ratio = TARGET_PROB(i - 1, xs[i - 1]) / DRAFT_PROB(i - 1, xs[i - 1]);
-            double w = weights[i - 1] * ratio;
-            weights[i] = w < 1.0 ? w : 1.0;
-        }
+        // u_1..u_k are all drawn (draws 0..k-1); tau = the largest i with u_i < h_i, found from i = k
+        // down; the emitted token uses draw k.
+        const int ny = k_max > 1 ? k_max - 1 : 1;
         int tau = 0;
+        double p_tau = 1.0;
         for (int i = k; i >= 1; --i) {
-            double u = philox_uniform(seed, offset, (u32)(i - 1));
+            double p_i = v.block_weight(i);
             double h;
             if (i == k) {
-                h = weights[k];
+                h = p_i;
             } else {
-                // Row i holds P_{i+1} and Q_{i+1}.
-                ResidualWeight w = {P + (size_t)i * V, Q ? Q + (size_t)i * V : nullptr, p_scale[i],
-                                    Q ? q_scale[i] : 1.0, weights[i], (int)xs[i]};
-                double z = block_weight_sum(w, vocab, sc);
-                double denominator = z + (1.0 - weights[i]);
+                const double* zp = z_partial + ((size_t)b * ny + (i - 1)) * chunks;
+                double z = 0.0;
+                for (int c = 0; c < chunks; ++c) z += zp[c];
+                double denominator = z + (1.0 - p_i);
                 h = denominator > 0.0 ? z / denominator : 0.0;
             }
-            if (u < h) {
+            if (philox_uniform(seed, offset, (u32)(i - 1)) < h) {
                 tau = i;
+                p_tau = p_i;
                 break;
             }
         }
         draw = (u32)k;
         double u = philox_uniform(seed, offset, draw++);
-        const float* row = P + (size_t)tau * V;
         token = -1;
-        if (tau < k) {
-            ResidualWeight w = {row, Q ? Q + (size_t)tau * V : nullptr, p_scale[tau], Q ? q_scale[tau] : 1.0,
-                                weights[tau], (int)xs[tau]};
-            token = block_sample(w, vocab, u, sc, nullptr);
-        }
+        if (tau < k) token = block_sample(v.residual(tau, p_tau), vocab, u, sc, nullptr);
         if (token < 0) {
-            RowWeight w = {row};
+            RowWeight w = {P + (size_t)tau * V};
             token = block_sample(w, vocab, u, sc, nullptr);
         }
         accepted = tau;
     }
-#undef TARGET_PROB
-#undef DRAFT_PROB
     if (threadIdx.x == 0) {
         o[0] = SPL_OK;
         o[1] = 0;

@@ -34,12 +34,17 @@ use specula_kernels::cuda::GpuDevice;
 use specula_kernels::philox::{philox4x32_10, PhiloxStream};
 use specula_kernels::sampling::{self, SamplingParams};
 use specula_verifier::{
-    AcceptanceCounter, AcceptanceRule, DraftProbs, SyntheticAcceptance, UniformSource,
-    VerifyError, VerifyInput, VerifyOutcome,
+    AcceptanceCounter, AcceptanceRule, DraftProbs, SyntheticAcceptance, UniformSource, VerifyError,
+    VerifyInput, VerifyOutcome,
 };
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
+
+/// Every outcome of a verify step with its exact probability (`outcome_distribution`).
+type Exact = Vec<(VerifyOutcome, f64)>;
+/// A section of the check: runs against the GPU and records its checks.
+type Section<'a> = &'a mut dyn FnMut(&mut GpuSampler, &mut Report) -> Result<()>;
 
 /// Threshold of every goodness-of-fit test: a correct kernel fails one test with probability 1e-4
 /// (fixed seeds make each run deterministic); a bias of a few tenths of a percent fails it.
@@ -198,7 +203,7 @@ fn run_gpu(
     let num = s.clone_htod(&p.num)?;
     let rules = sampler.upload_rules(&p.rules, p.k_max)?;
     let mut philox = sampler.upload_philox(seeds, offsets)?;
-    let mut out = VerifyOutput::new(s, n, p.k_max)?;
+    let mut out = VerifyOutput::new(s, n, p.k_max, p.vocab)?;
     let draft_bufs = if p.one_hot || p.k_max == 0 {
         None
     } else {
@@ -269,7 +274,11 @@ fn pooled_p_value(counts: &[u64], probs: &[f64]) -> f64 {
 fn check_philox(sampler: &GpuSampler, report: &mut Report) -> Result<()> {
     println!("\n[1] Philox4x32-10 on the GPU");
     let kat: [([u32; 4], [u32; 2], [u32; 4]); 3] = [
-        ([0; 4], [0; 2], [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8]),
+        (
+            [0; 4],
+            [0; 2],
+            [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8],
+        ),
         (
             [u32::MAX; 4],
             [u32::MAX; 2],
@@ -298,7 +307,11 @@ fn check_philox(sampler: &GpuSampler, report: &mut Report) -> Result<()> {
         .count();
     report.add(
         "philox KAT (Random123)",
-        if kat_ok { "3/3 match".into() } else { "MISMATCH".into() },
+        if kat_ok {
+            "3/3 match".into()
+        } else {
+            "MISMATCH".into()
+        },
         "exact",
         kat_ok,
     );
@@ -334,7 +347,16 @@ fn gpu_probabilities(
     let mut probs = s.alloc_zeros::<f32>(rows * stride)?;
     let mut sums = s.alloc_zeros::<f64>(rows)?;
     let mut status = s.alloc_zeros::<i32>(2 * rows)?;
-    sampler.probabilities(&dl, rows, stride, vocab, &dp, &mut probs, &mut sums, &mut status)?;
+    sampler.probabilities(
+        &dl,
+        rows,
+        stride,
+        vocab,
+        &dp,
+        &mut probs,
+        &mut sums,
+        &mut status,
+    )?;
     Ok(ProbsRun {
         probs: s.clone_dtoh(&probs)?,
         inv_sums: s.clone_dtoh(&sums)?,
@@ -357,16 +379,64 @@ fn check_logits(sampler: &GpuSampler, report: &mut Report) -> Result<()> {
         ("T=1", 128256, 128256, 3.0, 0.0, 0.0, p(1.0, 0, 1.0)),
         ("T=0.7 k=50", 128256, 128256, 3.0, 0.0, 0.0, p(0.7, 50, 1.0)),
         ("T=1 p=0.9", 128256, 128256, 3.0, 0.0, 0.0, p(1.0, 0, 0.9)),
-        ("T=0.8 k=1000 p=0.95", 128256, 128256, 3.0, 0.0, 0.0, p(0.8, 1000, 0.95)),
+        (
+            "T=0.8 k=1000 p=0.95",
+            128256,
+            128256,
+            3.0,
+            0.0,
+            0.0,
+            p(0.8, 1000, 0.95),
+        ),
         ("T=1.5 p=0.5", 128256, 128256, 2.0, 0.0, 0.0, p(1.5, 0, 0.5)),
         ("T=1 k=1", 128256, 128256, 3.0, 0.0, 0.0, p(1.0, 1, 1.0)),
-        ("T=0.05 p=0.99", 128256, 128256, 3.0, 0.0, 0.0, p(0.05, 0, 0.99)),
+        (
+            "T=0.05 p=0.99",
+            128256,
+            128256,
+            3.0,
+            0.0,
+            0.0,
+            p(0.05, 0, 0.99),
+        ),
         ("ties k=40", 128256, 128256, 3.0, 0.5, 0.0, p(1.0, 40, 1.0)),
         ("ties p=0.8", 128256, 128256, 3.0, 0.5, 0.0, p(1.0, 0, 0.8)),
-        ("ties k=300 p=0.6", 128256, 128256, 3.0, 0.5, 0.0, p(1.0, 300, 0.6)),
-        ("half -inf p=0.9", 128256, 128256, 3.0, 0.0, 0.5, p(1.0, 0, 0.9)),
-        ("vocab 151665/151936 k=100", 151665, 151936, 3.0, 0.0, 0.0, p(1.0, 100, 1.0)),
-        ("flat (all equal) k=7 p=0.3", 128256, 128256, 0.0, 0.0, 0.0, p(1.0, 7, 0.3)),
+        (
+            "ties k=300 p=0.6",
+            128256,
+            128256,
+            3.0,
+            0.5,
+            0.0,
+            p(1.0, 300, 0.6),
+        ),
+        (
+            "half -inf p=0.9",
+            128256,
+            128256,
+            3.0,
+            0.0,
+            0.5,
+            p(1.0, 0, 0.9),
+        ),
+        (
+            "vocab 151665/151936 k=100",
+            151665,
+            151936,
+            3.0,
+            0.0,
+            0.0,
+            p(1.0, 100, 1.0),
+        ),
+        (
+            "flat (all equal) k=7 p=0.3",
+            128256,
+            128256,
+            0.0,
+            0.0,
+            0.0,
+            p(1.0, 7, 0.3),
+        ),
     ];
     let rows = 8;
     let mut worst_abs = 0f64;
@@ -376,7 +446,11 @@ fn check_logits(sampler: &GpuSampler, report: &mut Report) -> Result<()> {
         let mut logits = vec![0f32; rows * stride];
         for r in 0..rows {
             for x in 0..*vocab {
-                let mut v = if *scale == 0.0 { 0.0 } else { scale * box_muller(&mut rng) };
+                let mut v = if *scale == 0.0 {
+                    0.0
+                } else {
+                    scale * box_muller(&mut rng)
+                };
                 if *quantum > 0.0 {
                     v = (v / quantum).round() * quantum;
                 }
@@ -390,7 +464,14 @@ fn check_logits(sampler: &GpuSampler, report: &mut Report) -> Result<()> {
                 logits[r * stride + x] = 1e30;
             }
         }
-        let run = gpu_probabilities(sampler, &logits, rows, *stride, *vocab, &vec![*params; rows])?;
+        let run = gpu_probabilities(
+            sampler,
+            &logits,
+            rows,
+            *stride,
+            *vocab,
+            &vec![*params; rows],
+        )?;
         let (mut abs, mut kept, mut scale_err) = (0f64, 0usize, 0f64);
         for r in 0..rows {
             if let Err(e) = &run.status[r] {
@@ -419,7 +500,10 @@ fn check_logits(sampler: &GpuSampler, report: &mut Report) -> Result<()> {
     }
     report.add(
         "logits_to_probs max abs error",
-        format!("{worst_abs:.2e} over {} settings x {rows} rows", settings.len()),
+        format!(
+            "{worst_abs:.2e} over {} settings x {rows} rows",
+            settings.len()
+        ),
         "1e-6",
         worst_abs <= 1e-6,
     );
@@ -441,10 +525,13 @@ fn check_logits(sampler: &GpuSampler, report: &mut Report) -> Result<()> {
     let mut logits = random_logits(&mut rng, 4 * vocab, 1.0);
     logits[17] = f32::NAN;
     logits[vocab + 300] = f32::INFINITY;
-    for x in 2 * vocab..4 * vocab {
-        logits[x] = f32::NEG_INFINITY;
-    }
-    let params = [p(1.0, 0, 1.0), p(1.0, 0, 1.0), p(1.0, 0, 1.0), p(0.0, 0, 1.0)];
+    logits[2 * vocab..4 * vocab].fill(f32::NEG_INFINITY);
+    let params = [
+        p(1.0, 0, 1.0),
+        p(1.0, 0, 1.0),
+        p(1.0, 0, 1.0),
+        p(0.0, 0, 1.0),
+    ];
     let run = gpu_probabilities(sampler, &logits, 4, vocab, vocab, &params)?;
     let cpu: Vec<_> = (0..4)
         .map(|r| sampling::probabilities(&logits[r * vocab..(r + 1) * vocab], &params[r]))
@@ -456,12 +543,22 @@ fn check_logits(sampler: &GpuSampler, report: &mut Report) -> Result<()> {
         && cpu[0].is_err()
         && cpu[1].is_err()
         && cpu[2].is_err()
-        && cpu[3].as_ref().is_ok_and(|w| w[..] == run.probs[3 * vocab..])
+        && cpu[3]
+            .as_ref()
+            .is_ok_and(|w| w[..] == run.probs[3 * vocab..])
         && run.inv_sums[..3].iter().all(|v| v.is_nan());
-    println!("  error rows: GPU {:?}; CPU errors {:?}", run.status, cpu.iter().map(|c| c.as_ref().err()).collect::<Vec<_>>());
+    println!(
+        "  error rows: GPU {:?}; CPU errors {:?}",
+        run.status,
+        cpu.iter().map(|c| c.as_ref().err()).collect::<Vec<_>>()
+    );
     report.add(
         "logits_to_probs refuses NaN/+inf/all-masked rows",
-        if ok { "as the CPU".into() } else { "differs".into() },
+        if ok {
+            "as the CPU".into()
+        } else {
+            "differs".into()
+        },
         "as the CPU",
         ok,
     );
@@ -537,11 +634,26 @@ fn check_decisions(sampler: &mut GpuSampler, report: &mut Report) -> Result<()> 
     let mut draft_pool = Vec::new();
     for i in 0..pool {
         let logits = random_logits(&mut rng, vocab, 2.5);
-        let noisy: Vec<f32> = logits.iter().map(|&l| l + 0.7 * box_muller(&mut rng)).collect();
+        let noisy: Vec<f32> = logits
+            .iter()
+            .map(|&l| l + 0.7 * box_muller(&mut rng))
+            .collect();
         let params = match i % 3 {
-            0 => SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0 },
-            1 => SamplingParams { temperature: 0.8, top_k: 50, top_p: 1.0 },
-            _ => SamplingParams { temperature: 1.0, top_k: 0, top_p: 0.9 },
+            0 => SamplingParams {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 1.0,
+            },
+            1 => SamplingParams {
+                temperature: 0.8,
+                top_k: 50,
+                top_p: 1.0,
+            },
+            _ => SamplingParams {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 0.9,
+            },
         };
         target_pool.push(sampling::probabilities(&logits, &params)?);
         draft_pool.push(sampling::probabilities(&noisy, &params)?);
@@ -556,8 +668,10 @@ fn check_decisions(sampler: &mut GpuSampler, report: &mut Report) -> Result<()> 
                 let mut storage = Vec::new();
                 for _ in 0..n {
                     let idx: Vec<usize> = (0..=k).map(|_| rng.random_range(0..pool)).collect();
-                    let target: Vec<Vec<f32>> = idx.iter().map(|&i| target_pool[i].clone()).collect();
-                    let draft: Vec<Vec<f32>> = idx[..k].iter().map(|&i| draft_pool[i].clone()).collect();
+                    let target: Vec<Vec<f32>> =
+                        idx.iter().map(|&i| target_pool[i].clone()).collect();
+                    let draft: Vec<Vec<f32>> =
+                        idx[..k].iter().map(|&i| draft_pool[i].clone()).collect();
                     let drafts: Vec<u32> = (0..k)
                         .map(|s| {
                             if rng.random_bool(0.6) {
@@ -590,7 +704,14 @@ fn check_decisions(sampler: &mut GpuSampler, report: &mut Report) -> Result<()> 
                         rule,
                     })
                     .collect();
-                let (t, d, s) = compare_with_cpu(sampler, &cases, k, vocab, 77 + k as u64, 1000 * total as u64)?;
+                let (t, d, s) = compare_with_cpu(
+                    sampler,
+                    &cases,
+                    k,
+                    vocab,
+                    77 + k as u64,
+                    1000 * total as u64,
+                )?;
                 total += t;
                 differ += d;
                 stale += s;
@@ -670,12 +791,60 @@ fn check_decisions(sampler: &mut GpuSampler, report: &mut Report) -> Result<()> 
     let few = AcceptanceRule::Synthetic(SyntheticAcceptance::from_conditional_rates(&[0.5, 0.5])?);
     let std_rule = AcceptanceRule::Standard;
     let cases = [
-        (Case { drafts: &[1, 9, 2], target: &target, draft: Some(&good_q), rule: &std_rule }, "out-of-vocab token"),
-        (Case { drafts: &[1, 2, 2], target: &target, draft: Some(&zero_q), rule: &std_rule }, "zero draft probability"),
-        (Case { drafts: &[1, 2, 2], target: &doubled, draft: Some(&good_q), rule: &std_rule }, "unnormalised target row"),
-        (Case { drafts: &[1, 2, 2], target: &target, draft: Some(&nan_q), rule: &std_rule }, "NaN draft row"),
-        (Case { drafts: &[1, 2, 2], target: &target, draft: Some(&good_q), rule: &few }, "too few synthetic rates"),
-        (Case { drafts: &[1, 2, 2], target: &target, draft: Some(&good_q), rule: &std_rule }, "valid"),
+        (
+            Case {
+                drafts: &[1, 9, 2],
+                target: &target,
+                draft: Some(&good_q),
+                rule: &std_rule,
+            },
+            "out-of-vocab token",
+        ),
+        (
+            Case {
+                drafts: &[1, 2, 2],
+                target: &target,
+                draft: Some(&zero_q),
+                rule: &std_rule,
+            },
+            "zero draft probability",
+        ),
+        (
+            Case {
+                drafts: &[1, 2, 2],
+                target: &doubled,
+                draft: Some(&good_q),
+                rule: &std_rule,
+            },
+            "unnormalised target row",
+        ),
+        (
+            Case {
+                drafts: &[1, 2, 2],
+                target: &target,
+                draft: Some(&nan_q),
+                rule: &std_rule,
+            },
+            "NaN draft row",
+        ),
+        (
+            Case {
+                drafts: &[1, 2, 2],
+                target: &target,
+                draft: Some(&good_q),
+                rule: &few,
+            },
+            "too few synthetic rates",
+        ),
+        (
+            Case {
+                drafts: &[1, 2, 2],
+                target: &target,
+                draft: Some(&good_q),
+                rule: &std_rule,
+            },
+            "valid",
+        ),
     ];
     let mut packed = Packed::new(3, vocab, false, cases.len());
     for (c, _) in &cases {
@@ -684,22 +853,47 @@ fn check_decisions(sampler: &mut GpuSampler, report: &mut Report) -> Result<()> 
     let (gpu, _) = run_gpu(sampler, &packed, &[1; 6], &[0; 6])?;
     let mut all_match = true;
     for ((c, label), g) in cases.iter().zip(&gpu) {
-        let cpu = c.rule.verify(&c.input(), &mut Philox(PhiloxStream::new(1, 0)));
+        let cpu = c
+            .rule
+            .verify(&c.input(), &mut Philox(PhiloxStream::new(1, 0)));
         let ok = match (g, &cpu) {
-            (Err(VerifyFailure::TokenOutOfVocabulary { slot }), Err(VerifyError::TokenOutOfVocabulary { slot: s, .. })) => slot == s,
-            (Err(VerifyFailure::ZeroDraftProbability { slot }), Err(VerifyError::ZeroDraftProbability { slot: s, .. })) => slot == s,
-            (Err(VerifyFailure::InvalidTargetRow { row }), Err(VerifyError::RowNotNormalised { row: r, .. })) => row == r,
-            (Err(VerifyFailure::InvalidDraftRow { row }), Err(VerifyError::InvalidProbability { row: r, .. })) => row == r,
-            (Err(VerifyFailure::TooFewSyntheticRates { .. }), Err(VerifyError::TooFewSyntheticRates { .. })) => true,
+            (
+                Err(VerifyFailure::TokenOutOfVocabulary { slot }),
+                Err(VerifyError::TokenOutOfVocabulary { slot: s, .. }),
+            ) => slot == s,
+            (
+                Err(VerifyFailure::ZeroDraftProbability { slot }),
+                Err(VerifyError::ZeroDraftProbability { slot: s, .. }),
+            ) => slot == s,
+            (
+                Err(VerifyFailure::InvalidTargetRow { row }),
+                Err(VerifyError::RowNotNormalised { row: r, .. }),
+            ) => row == r,
+            (
+                Err(VerifyFailure::InvalidDraftRow { row }),
+                Err(VerifyError::InvalidProbability { row: r, .. }),
+            ) => row == r,
+            (
+                Err(VerifyFailure::TooFewSyntheticRates { .. }),
+                Err(VerifyError::TooFewSyntheticRates { .. }),
+            ) => true,
             (Ok(g), Ok(c)) => same(g, c),
             _ => false,
         };
-        println!("    {label:<24} GPU {g:?} | CPU {:?} {}", cpu.as_ref().map_err(|e| e.to_string()), if ok { "ok" } else { "FAIL" });
+        println!(
+            "    {label:<24} GPU {g:?} | CPU {:?} {}",
+            cpu.as_ref().map_err(|e| e.to_string()),
+            if ok { "ok" } else { "FAIL" }
+        );
         all_match &= ok;
     }
     report.add(
         "bad verify inputs -> the verifier's errors",
-        if all_match { "6/6 as the CPU".into() } else { "differs".into() },
+        if all_match {
+            "6/6 as the CPU".into()
+        } else {
+            "differs".into()
+        },
         "as the CPU",
         all_match,
     );
@@ -716,7 +910,7 @@ fn fixed_input_test(
     case: &Case,
     vocab: usize,
     seed: u64,
-) -> Result<(f64, usize, usize, Vec<(VerifyOutcome, f64)>, Vec<u64>)> {
+) -> Result<(f64, usize, usize, Exact, Vec<u64>)> {
     let k = case.drafts.len();
     let exact = case.rule.outcome_distribution(&case.input())?;
     let index: BTreeMap<VerifyOutcome, usize> = exact
@@ -734,7 +928,9 @@ fn fixed_input_test(
     let mut counts = vec![0u64; exact.len()];
     let mut impossible = 0;
     for g in &gpu {
-        let g = g.as_ref().map_err(|e| anyhow::anyhow!("valid input refused: {e}"))?;
+        let g = g
+            .as_ref()
+            .map_err(|e| anyhow::anyhow!("valid input refused: {e}"))?;
         let o = VerifyOutcome {
             num_accepted: g.num_accepted,
             emitted: g.emitted.clone(),
@@ -746,15 +942,22 @@ fn fixed_input_test(
     }
     let mut replay_mismatch = 0;
     for (i, g) in gpu.iter().take(2000).enumerate() {
-        let cpu = case
-            .rule
-            .verify(&case.input(), &mut Philox(PhiloxStream::new(seed, offsets[i])))?;
+        let cpu = case.rule.verify(
+            &case.input(),
+            &mut Philox(PhiloxStream::new(seed, offsets[i])),
+        )?;
         if !matches!(g, Ok(g) if same(g, &cpu)) {
             replay_mismatch += 1;
         }
     }
     let probs: Vec<f64> = exact.iter().map(|(_, p)| *p).collect();
-    Ok((pooled_p_value(&counts, &probs), impossible, replay_mismatch, exact, counts))
+    Ok((
+        pooled_p_value(&counts, &probs),
+        impossible,
+        replay_mismatch,
+        exact,
+        counts,
+    ))
 }
 
 fn check_distributions(sampler: &mut GpuSampler, report: &mut Report) -> Result<()> {
@@ -764,14 +967,15 @@ fn check_distributions(sampler: &mut GpuSampler, report: &mut Report) -> Result<
     let mut min_p = BTreeMap::<String, f64>::new();
     let (mut tests, mut failed, mut impossible_total, mut replay_total) = (0, 0, 0, 0);
     let mut greedy_bad = 0;
-    let mut saved_standard: Option<(Vec<(VerifyOutcome, f64)>, Vec<u64>)> = None;
+    let mut saved_standard: Option<(Exact, Vec<u64>)> = None;
     for vocab in 2..=4usize {
         for k in 1..=4usize {
             let target = TableModel::dense(&mut rng, vocab, k);
             let draft = TableModel::dense(&mut rng, vocab, k - 1);
             let drafts = draft.sample(&mut rng, &[], k);
             let target_rows = target.rows_along(&drafts);
-            let draft_rows: Vec<Vec<f32>> = (0..k).map(|i| draft.row(&drafts[..i]).to_vec()).collect();
+            let draft_rows: Vec<Vec<f32>> =
+                (0..k).map(|i| draft.row(&drafts[..i]).to_vec()).collect();
             for rule in rules_for(k)? {
                 for one_hot in [false, true] {
                     let case = Case {
@@ -791,7 +995,9 @@ fn check_distributions(sampler: &mut GpuSampler, report: &mut Report) -> Result<
                         let (gpu, _) = run_gpu(sampler, &packed, &[seed; 1000], &[0; 1000])?;
                         greedy_bad += gpu
                             .iter()
-                            .filter(|g| !matches!(g, Ok(g) if exact.len() == 1 && same(g, &exact[0].0)))
+                            .filter(
+                                |g| !matches!(g, Ok(g) if exact.len() == 1 && same(g, &exact[0].0)),
+                            )
                             .count();
                         continue;
                     }
@@ -808,7 +1014,11 @@ fn check_distributions(sampler: &mut GpuSampler, report: &mut Report) -> Result<
                             rule.name()
                         );
                     }
-                    let key = format!("{} {}", rule.name(), if one_hot { "one-hot" } else { "full" });
+                    let key = format!(
+                        "{} {}",
+                        rule.name(),
+                        if one_hot { "one-hot" } else { "full" }
+                    );
                     let e = min_p.entry(key).or_insert(1.0);
                     *e = e.min(p);
                     if rule == AcceptanceRule::Standard && !one_hot && vocab == 4 && k == 3 {
@@ -823,7 +1033,11 @@ fn check_distributions(sampler: &mut GpuSampler, report: &mut Report) -> Result<
     }
     report.add(
         "fixed-input chi-square vs outcome_distribution",
-        format!("{} of {tests} tests p <= {P_THRESHOLD:e}; smallest p {:.2e}", failed, min_p.values().cloned().fold(1.0, f64::min)),
+        format!(
+            "{} of {tests} tests p <= {P_THRESHOLD:e}; smallest p {:.2e}",
+            failed,
+            min_p.values().cloned().fold(1.0, f64::min)
+        ),
         "all p > 1e-4",
         failed == 0,
     );
@@ -851,8 +1065,12 @@ fn check_distributions(sampler: &mut GpuSampler, report: &mut Report) -> Result<
     if let Some((exact, counts)) = saved_standard {
         let mut wrong: Vec<f64> = exact.iter().map(|(_, p)| *p).collect();
         let (imax, imin) = (
-            (0..wrong.len()).max_by(|&a, &b| wrong[a].total_cmp(&wrong[b])).unwrap_or(0),
-            (0..wrong.len()).min_by(|&a, &b| wrong[a].total_cmp(&wrong[b])).unwrap_or(0),
+            (0..wrong.len())
+                .max_by(|&a, &b| wrong[a].total_cmp(&wrong[b]))
+                .unwrap_or(0),
+            (0..wrong.len())
+                .min_by(|&a, &b| wrong[a].total_cmp(&wrong[b]))
+                .unwrap_or(0),
         );
         wrong.swap(imax, imin);
         let p = pooled_p_value(&counts, &wrong);
@@ -907,7 +1125,9 @@ fn check_distributions(sampler: &mut GpuSampler, report: &mut Report) -> Result<
         let mut first = vec![0u64; vocab];
         let mut pairs = vec![0u64; vocab * vocab];
         for g in &gpu {
-            let g = g.as_ref().map_err(|e| anyhow::anyhow!("valid input refused: {e}"))?;
+            let g = g
+                .as_ref()
+                .map_err(|e| anyhow::anyhow!("valid input refused: {e}"))?;
             let mut emitted = g.emitted.clone();
             if emitted.len() < 2 {
                 emitted.extend(target.sample(&mut mrng, &emitted, 1));
@@ -920,7 +1140,10 @@ fn check_distributions(sampler: &mut GpuSampler, report: &mut Report) -> Result<
         let view = if *one_hot { "one-hot" } else { "full" };
         if rule.is_lossless() {
             report.add(
-                format!("lossless {} {view} V=4 k=3: first token / first two vs target", rule.name()),
+                format!(
+                    "lossless {} {view} V=4 k=3: first token / first two vs target",
+                    rule.name()
+                ),
                 format!("p = {p_first:.2e} / {p_pairs:.2e}"),
                 "> 1e-4",
                 p_first > P_THRESHOLD && p_pairs > P_THRESHOLD,
@@ -929,8 +1152,12 @@ fn check_distributions(sampler: &mut GpuSampler, report: &mut Report) -> Result<
                 // Power: the same histogram against a wrong target (its two most different tokens'
                 // probabilities swapped) must be rejected.
                 let mut wrong = expected_first.clone();
-                let imax = (0..vocab).max_by(|&a, &b| wrong[a].total_cmp(&wrong[b])).unwrap_or(0);
-                let imin = (0..vocab).min_by(|&a, &b| wrong[a].total_cmp(&wrong[b])).unwrap_or(0);
+                let imax = (0..vocab)
+                    .max_by(|&a, &b| wrong[a].total_cmp(&wrong[b]))
+                    .unwrap_or(0);
+                let imin = (0..vocab)
+                    .min_by(|&a, &b| wrong[a].total_cmp(&wrong[b]))
+                    .unwrap_or(0);
                 wrong.swap(imax, imin);
                 let p = pooled_p_value(&first, &wrong);
                 report.add(
@@ -957,7 +1184,10 @@ fn check_distributions(sampler: &mut GpuSampler, report: &mut Report) -> Result<
     let q = vec![target.row(&[]).to_vec(); k];
     let drafts: Vec<u32> = (0..k as u32).map(|i| i % vocab as u32).collect();
     for (label, config) in [
-        ("L=3.78 k=7", SyntheticAcceptance::from_mean_length(3.78, 7)?),
+        (
+            "L=3.78 k=7",
+            SyntheticAcceptance::from_mean_length(3.78, 7)?,
+        ),
         (
             "c=[.9,.8,.7,.6,.5,.4,.3]",
             SyntheticAcceptance::from_conditional_rates(&[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3])?,
@@ -978,7 +1208,9 @@ fn check_distributions(sampler: &mut GpuSampler, report: &mut Report) -> Result<
         let (gpu, _) = run_gpu(sampler, &packed, &vec![4242; TRIALS], &offsets)?;
         let mut counter = AcceptanceCounter::new();
         for g in &gpu {
-            let g = g.as_ref().map_err(|e| anyhow::anyhow!("valid input refused: {e}"))?;
+            let g = g
+                .as_ref()
+                .map_err(|e| anyhow::anyhow!("valid input refused: {e}"))?;
             counter.record(k, g.num_accepted)?;
         }
         let al = counter.mean_acceptance_length().unwrap_or(0.0);
@@ -1006,7 +1238,11 @@ fn check_distributions(sampler: &mut GpuSampler, report: &mut Report) -> Result<
         );
         report.add(
             format!("synthetic {label}: per-position rates"),
-            if rates_ok { "within 5 SE".into() } else { "outside 5 SE".into() },
+            if rates_ok {
+                "within 5 SE".into()
+            } else {
+                "outside 5 SE".into()
+            },
             "5 SE, exact at 0/1",
             rates_ok,
         );
@@ -1039,7 +1275,11 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn time_ms(stream: &Arc<CudaStream>, reps: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+fn time_ms(
+    stream: &Arc<CudaStream>,
+    reps: usize,
+    f: &mut dyn FnMut() -> Result<()>,
+) -> Result<f64> {
     let flags = cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
     for _ in 0..3 {
         f()?;
@@ -1055,13 +1295,16 @@ fn time_ms(stream: &Arc<CudaStream>, reps: usize, f: &mut dyn FnMut() -> Result<
 }
 
 fn check_timing(sampler: &mut GpuSampler) -> Result<()> {
-    println!("\n[5] timing: CUDA events, median of 50 launches after 3 warm-ups; k = 7, vocab 128256");
+    println!(
+        "\n[5] timing: CUDA events, median of 50 launches after 3 warm-ups; k = 7, vocab 128256"
+    );
     sampler.set_verify_threads(512)?;
     let s = sampler.stream().clone();
     let (vocab, k) = (128256usize, 7usize);
     let mut rng = ChaCha8Rng::seed_from_u64(5);
-    println!("| B | logits_to_probs T=1 (B x 15 rows) us | same, top-k 50 + top-p 0.9 us | row_inv_sums (B x 15 rows) us | verify greedy us | standard us | block us | synthetic 3.78 us | block, one-hot us |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("verify = the whole GpuSampler::verify call (pre-pass kernels + verify_drafts), 512 threads per sequence unless noted");
+    println!("| B | logits_to_probs T=1 (B x 15 rows) us | same, top-k 50 + top-p 0.9 us | row_inv_sums (B x 15 rows) us | verify greedy us | standard us | block us | synthetic 3.78 us | block, one-hot us | standard, 1024 threads us |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for b in 1..=8usize {
         // Target rows P_1..P_8 and draft rows Q_1..Q_7 per sequence from correlated random logits, made
         // into probabilities on the GPU; drafts drawn from the draft rows on the CPU.
@@ -1078,12 +1321,20 @@ fn check_timing(sampler: &mut GpuSampler) -> Result<()> {
                 }
             }
         }
-        let one = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0 };
+        let one = SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+        };
         let (dlt, dlq) = (s.clone_htod(&logits_t)?, s.clone_htod(&logits_q)?);
         let pt = sampler.upload_params(&vec![one; rows_t])?;
         let pq = sampler.upload_params(&vec![one; rows_q])?;
         let restricted = sampler.upload_params(&vec![
-            SamplingParams { temperature: 1.0, top_k: 50, top_p: 0.9 };
+            SamplingParams {
+                temperature: 1.0,
+                top_k: 50,
+                top_p: 0.9
+            };
             rows_t + rows_q
         ])?;
         let mut probs_t = s.alloc_zeros::<f32>(rows_t * vocab)?;
@@ -1091,8 +1342,26 @@ fn check_timing(sampler: &mut GpuSampler) -> Result<()> {
         let mut sums_t = s.alloc_zeros::<f64>(rows_t)?;
         let mut sums_q = s.alloc_zeros::<f64>(rows_q)?;
         let mut status = s.alloc_zeros::<i32>(2 * (rows_t + rows_q))?;
-        sampler.probabilities(&dlt, rows_t, vocab, vocab, &pt, &mut probs_t, &mut sums_t, &mut status)?;
-        sampler.probabilities(&dlq, rows_q, vocab, vocab, &pq, &mut probs_q, &mut sums_q, &mut status)?;
+        sampler.probabilities(
+            &dlt,
+            rows_t,
+            vocab,
+            vocab,
+            &pt,
+            &mut probs_t,
+            &mut sums_t,
+            &mut status,
+        )?;
+        sampler.probabilities(
+            &dlq,
+            rows_q,
+            vocab,
+            vocab,
+            &pq,
+            &mut probs_q,
+            &mut sums_q,
+            &mut status,
+        )?;
         let host_q = s.clone_dtoh(&probs_q)?;
         let drafts: Vec<u32> = (0..rows_q)
             .map(|r| sample_row(&mut rng, &host_q[r * vocab..(r + 1) * vocab]))
@@ -1107,17 +1376,42 @@ fn check_timing(sampler: &mut GpuSampler) -> Result<()> {
         let mut all_sums = s.alloc_zeros::<f64>(rows_all)?;
         let mut all_status = s.alloc_zeros::<i32>(2 * rows_all)?;
         let t_probs = time_ms(&s, 50, &mut || {
-            Ok(sampler.probabilities(&all_logits, rows_all, vocab, vocab, &all_params, &mut all_probs, &mut all_sums, &mut all_status)?)
+            Ok(sampler.probabilities(
+                &all_logits,
+                rows_all,
+                vocab,
+                vocab,
+                &all_params,
+                &mut all_probs,
+                &mut all_sums,
+                &mut all_status,
+            )?)
         })?;
         let t_restricted = time_ms(&s, 50, &mut || {
-            Ok(sampler.probabilities(&all_logits, rows_all, vocab, vocab, &restricted, &mut all_probs, &mut all_sums, &mut all_status)?)
+            Ok(sampler.probabilities(
+                &all_logits,
+                rows_all,
+                vocab,
+                vocab,
+                &restricted,
+                &mut all_probs,
+                &mut all_sums,
+                &mut all_status,
+            )?)
         })?;
-        let t_sums = time_ms(&s, 50, &mut || Ok(sampler.row_inv_sums(&all_probs, rows_all, vocab, &mut all_sums)?))?;
-        let mut row = format!("| {b} | {:.1} | {:.1} | {:.1} |", t_probs * 1e3, t_restricted * 1e3, t_sums * 1e3);
+        let t_sums = time_ms(&s, 50, &mut || {
+            Ok(sampler.row_inv_sums(&all_probs, rows_all, vocab, &mut all_sums)?)
+        })?;
+        let mut row = format!(
+            "| {b} | {:.1} | {:.1} | {:.1} |",
+            t_probs * 1e3,
+            t_restricted * 1e3,
+            t_sums * 1e3
+        );
         let rules = [
-            (GpuRule::Greedy, false),
-            (GpuRule::Standard, false),
-            (GpuRule::Block, false),
+            (GpuRule::Greedy, false, 512),
+            (GpuRule::Standard, false, 512),
+            (GpuRule::Block, false, 512),
             (
                 GpuRule::Synthetic {
                     conditional_rates: SyntheticAcceptance::from_mean_length(3.78, 7)?
@@ -1125,13 +1419,16 @@ fn check_timing(sampler: &mut GpuSampler) -> Result<()> {
                         .to_vec(),
                 },
                 false,
+                512,
             ),
-            (GpuRule::Block, true),
+            (GpuRule::Block, true, 512),
+            (GpuRule::Standard, false, 1024),
         ];
-        for (rule, one_hot) in rules {
+        for (rule, one_hot, threads) in rules {
+            sampler.set_verify_threads(threads)?;
             let rb = sampler.upload_rules(&vec![rule; b], k)?;
             let mut philox = sampler.upload_philox(&vec![7; b], &vec![0; b])?;
-            let mut out = VerifyOutput::new(&s, b, k)?;
+            let mut out = VerifyOutput::new(&s, b, k, vocab)?;
             let batch = VerifyBatch {
                 batch: b,
                 k_max: k,
@@ -1141,13 +1438,18 @@ fn check_timing(sampler: &mut GpuSampler) -> Result<()> {
                 draft: if one_hot {
                     DraftRows::OneHot
                 } else {
-                    DraftRows::Full { probs: &probs_q, inv_sums: &sums_q }
+                    DraftRows::Full {
+                        probs: &probs_q,
+                        inv_sums: &sums_q,
+                    }
                 },
                 draft_tokens: &tokens,
                 num_drafts: &num,
                 rules: &rb,
             };
-            let t = time_ms(&s, 50, &mut || Ok(sampler.verify(&batch, &mut philox, &mut out)?))?;
+            let t = time_ms(&s, 50, &mut || {
+                Ok(sampler.verify(&batch, &mut philox, &mut out)?)
+            })?;
             let results = out.read(&s)?;
             if let Some(Err(e)) = results.iter().find(|r| r.is_err()) {
                 bail!("timing batch B={b} refused: {e}");
@@ -1173,7 +1475,7 @@ fn main() -> Result<()> {
     let mut report = Report::default();
     // A section that errors out is a failed check; the others still run (unless the error left the
     // CUDA context unusable, which the next section then reports too).
-    let sections: [(&str, &mut dyn FnMut(&mut GpuSampler, &mut Report) -> Result<()>); 5] = [
+    let sections: [(&str, Section); 5] = [
         ("philox", &mut |s, r| check_philox(s, r)),
         ("logits_to_probs", &mut |s, r| check_logits(s, r)),
         ("verify decisions", &mut |s, r| check_decisions(s, r)),
@@ -1183,7 +1485,12 @@ fn main() -> Result<()> {
     for (name, section) in sections {
         if let Err(e) = section(&mut sampler, &mut report) {
             println!("  section {name} stopped: {e:#}");
-            report.add(format!("section {name}"), format!("error: {e:#}"), "runs", false);
+            report.add(
+                format!("section {name}"),
+                format!("error: {e:#}"),
+                "runs",
+                false,
+            );
         }
     }
 

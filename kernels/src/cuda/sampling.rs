@@ -8,7 +8,9 @@
 //!    the verifier reads a row. Rows from elsewhere get their scales from [`GpuSampler::row_inv_sums`].
 //! 2. [`GpuSampler::verify`] runs every sequence's acceptance rule (one CTA each) with uniforms from
 //!    the sequence's Philox4x32-10 stream ([`crate::philox`]), writes the accepted count and emitted
-//!    tokens into a [`VerifyOutput`] and advances the sequence's step counter on the device.
+//!    tokens into a [`VerifyOutput`] and advances the sequence's step counter on the device. Whole-row
+//!    work that does not depend on the random decisions (row argmaxes for greedy, the block rule's
+//!    residual masses) runs first in kernels spread over many CTAs.
 //! 3. [`VerifyOutput::read`] copies the results back: the step's only synchronisation. Invalid input
 //!    (a bad row, a token outside the vocabulary, ...) comes back as a typed [`VerifyFailure`] for
 //!    that sequence, never as a panic or a wrong token.
@@ -28,6 +30,8 @@ pub const SAMPLING_KERNELS: &[&str] = &[
     "philox4x32_10_blocks",
     "row_inv_sums",
     "logits_to_probs",
+    "row_argmax_chunks",
+    "block_residual_masses",
     "verify_drafts",
 ];
 
@@ -42,6 +46,10 @@ const PROBS_THREADS: u32 = 256;
 const DEFAULT_VERIFY_THREADS: u32 = 512;
 /// Layout of a verify output record: status, detail, num_accepted, then k_max + 1 tokens.
 const OUT_HEADER: usize = 3;
+/// Entries per CTA of the pre-pass kernels (`SPL_CHUNK` in sampling.cu).
+const CHUNK: usize = 8192;
+/// Threads per CTA of the pre-pass kernels and `row_inv_sums`.
+const PASS_THREADS: u32 = 256;
 
 // Status codes, as `#define`d in sampling.cu.
 const SPL_OK: i32 = 0;
@@ -101,7 +109,9 @@ pub enum VerifyFailure {
     InvalidTargetRow { row: usize },
     #[error("draft row {row} is not a distribution (non-finite or negative entry, or sum off 1 by more than 1e-3)")]
     InvalidDraftRow { row: usize },
-    #[error("draft token at slot {slot} has draft probability 0: the drafter cannot have drawn it")]
+    #[error(
+        "draft token at slot {slot} has draft probability 0: the drafter cannot have drawn it"
+    )]
     ZeroDraftProbability { slot: usize },
     #[error("synthetic acceptance has no rate for slot {slot}")]
     TooFewSyntheticRates { slot: usize },
@@ -117,7 +127,9 @@ pub enum GpuRule {
     Standard,
     Block,
     /// Conditional rates c_1..c_n (`SyntheticAcceptance::conditional_rates`); a step may draft at most n.
-    Synthetic { conditional_rates: Vec<f64> },
+    Synthetic {
+        conditional_rates: Vec<f64>,
+    },
 }
 
 impl GpuRule {
@@ -152,6 +164,9 @@ pub struct RuleBuffers {
     rates: CudaSlice<f64>,
     batch: usize,
     k_max: usize,
+    // Which pre-pass kernels a step needs.
+    has_greedy: bool,
+    has_block: bool,
 }
 
 /// Per-request Philox state on the device: the key (`seed`) and the step counter (`offset`), which
@@ -203,23 +218,46 @@ pub struct GpuVerifyOutcome {
     pub emitted: Vec<u32>,
 }
 
-/// Where `verify_drafts` writes: one record of k_max + 4 ints per sequence.
+/// Where `verify_drafts` writes (one record of k_max + 4 ints per sequence), plus the pre-pass
+/// kernels' scratch, allocated once so a step allocates nothing.
 pub struct VerifyOutput {
     buf: CudaSlice<i32>,
     batch: usize,
     k_max: usize,
+    vocab: usize,
+    chunks: usize,
+    /// [batch * (k_max + 1), chunks]: per-chunk argmax of every target row.
+    arg_val: CudaSlice<f32>,
+    arg_idx: CudaSlice<i32>,
+    /// [batch, max(k_max - 1, 1), chunks]: the block rule's residual masses per chunk.
+    z_partial: CudaSlice<f64>,
 }
 
 impl VerifyOutput {
+    /// Output and scratch for steps of up to `batch` sequences of up to `k_max` drafts over `vocab`.
     pub fn new(
         stream: &Arc<CudaStream>,
         batch: usize,
         k_max: usize,
+        vocab: usize,
     ) -> Result<VerifyOutput, GpuSamplingError> {
+        if vocab == 0 || batch == 0 {
+            return Err(GpuSamplingError::Shape(format!(
+                "verify output for {batch} sequences over a vocabulary of {vocab}"
+            )));
+        }
+        let chunks = vocab.div_ceil(CHUNK);
+        let rows = batch * (k_max + 1);
         Ok(VerifyOutput {
             buf: stream.alloc_zeros::<i32>(batch * (k_max + OUT_HEADER + 1))?,
             batch,
             k_max,
+            vocab,
+            chunks,
+            arg_val: stream.alloc_zeros::<f32>(rows * chunks)?,
+            arg_idx: stream.alloc_zeros::<i32>(rows * chunks)?,
+            z_partial: stream
+                .alloc_zeros::<f64>(batch * k_max.saturating_sub(1).max(1) * chunks)?,
         })
     }
 
@@ -250,15 +288,24 @@ fn decode_record(rec: &[i32], k_max: usize) -> Result<GpuVerifyOutcome, VerifyFa
         SPL_OK => {
             let accepted = rec[2];
             if accepted < 0 || accepted as usize > k_max {
-                return Err(VerifyFailure::Unknown { code, detail: accepted });
+                return Err(VerifyFailure::Unknown {
+                    code,
+                    detail: accepted,
+                });
             }
             let n = accepted as usize;
             Ok(GpuVerifyOutcome {
                 num_accepted: n,
-                emitted: rec[OUT_HEADER..OUT_HEADER + n + 1].iter().map(|&t| t as u32).collect(),
+                emitted: rec[OUT_HEADER..OUT_HEADER + n + 1]
+                    .iter()
+                    .map(|&t| t as u32)
+                    .collect(),
             })
         }
-        SPL_BAD_DRAFT_COUNT => Err(VerifyFailure::BadDraftCount { drafts: detail, k_max }),
+        SPL_BAD_DRAFT_COUNT => Err(VerifyFailure::BadDraftCount {
+            drafts: detail,
+            k_max,
+        }),
         SPL_UNKNOWN_RULE => Err(VerifyFailure::UnknownRule(detail)),
         SPL_TOKEN_OUT_OF_VOCAB => Err(VerifyFailure::TokenOutOfVocabulary { slot: index }),
         SPL_INVALID_TARGET_ROW => Err(VerifyFailure::InvalidTargetRow { row: index }),
@@ -293,13 +340,16 @@ fn check_len(what: &str, len: usize, need: usize) -> Result<(), GpuSamplingError
 
 /// A dimension the kernels take as `int`.
 fn as_i32(what: &str, value: usize) -> Result<i32, GpuSamplingError> {
-    i32::try_from(value)
-        .map_err(|_| GpuSamplingError::Shape(format!("{what} = {value} does not fit the kernel's int")))
+    i32::try_from(value).map_err(|_| {
+        GpuSamplingError::Shape(format!("{what} = {value} does not fit the kernel's int"))
+    })
 }
 
 fn grid(what: &str, n: usize) -> Result<u32, GpuSamplingError> {
     if n == 0 {
-        return Err(GpuSamplingError::Shape(format!("{what}: nothing to launch")));
+        return Err(GpuSamplingError::Shape(format!(
+            "{what}: nothing to launch"
+        )));
     }
     u32::try_from(n)
         .ok()
@@ -314,6 +364,8 @@ pub struct GpuSampler {
     philox_fn: CudaFunction,
     sums_fn: CudaFunction,
     probs_fn: CudaFunction,
+    argmax_fn: CudaFunction,
+    block_fn: CudaFunction,
     verify_fn: CudaFunction,
     verify_threads: u32,
     // Stand-ins for the draft buffers when the drafter is one-hot (the kernel never reads them).
@@ -335,6 +387,8 @@ impl GpuSampler {
             philox_fn: module.load_function("philox4x32_10_blocks")?,
             sums_fn: module.load_function("row_inv_sums")?,
             probs_fn: module.load_function("logits_to_probs")?,
+            argmax_fn: module.load_function("row_argmax_chunks")?,
+            block_fn: module.load_function("block_residual_masses")?,
             verify_fn: module.load_function("verify_drafts")?,
             verify_threads: DEFAULT_VERIFY_THREADS,
             dummy_f32: stream.alloc_zeros::<f32>(1)?,
@@ -419,6 +473,8 @@ impl GpuSampler {
             rates: self.stream.clone_htod(&rates)?,
             batch: rules.len(),
             k_max,
+            has_greedy: rules.contains(&GpuRule::Greedy),
+            has_block: rules.contains(&GpuRule::Block),
         })
     }
 
@@ -521,7 +577,7 @@ impl GpuSampler {
         unsafe {
             b.launch(LaunchConfig {
                 grid_dim: (grid("row_inv_sums", rows)?, 1, 1),
-                block_dim: (256, 1, 1),
+                block_dim: (PASS_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             })
         }?;
@@ -529,7 +585,9 @@ impl GpuSampler {
     }
 
     /// Runs every sequence's acceptance rule; results land in `out`, and `philox`'s step counters
-    /// advance by one for every sequence that verified. Queues work on the stream and returns.
+    /// advance by one for every sequence that verified. Queues up to three kernels on the stream
+    /// (chunked row argmaxes if a sequence is greedy, the block rule's residual masses if one uses it,
+    /// then `verify_drafts`) and returns without waiting.
     pub fn verify(
         &self,
         batch: &VerifyBatch,
@@ -545,10 +603,10 @@ impl GpuSampler {
                 "k_max {k_max} exceeds {MAX_DRAFTS}"
             )));
         }
-        if batch.rules.k_max != k_max || out.k_max != k_max {
+        if batch.rules.k_max != k_max || out.k_max != k_max || out.vocab != vocab {
             return Err(GpuSamplingError::Shape(format!(
-                "k_max {k_max}, but rules were uploaded for {} and the output sized for {}",
-                batch.rules.k_max, out.k_max
+                "k_max {k_max} over vocab {vocab}, but rules were uploaded for k_max {} and the output sized for k_max {} over vocab {}",
+                batch.rules.k_max, out.k_max, out.vocab
             )));
         }
         let rows = n * (k_max + 1);
@@ -568,6 +626,54 @@ impl GpuSampler {
             }
         };
         let (k_i, v_i) = (as_i32("k_max", k_max)?, as_i32("vocab", vocab)?);
+        let chunks_i = as_i32("chunks", out.chunks)?;
+        let pass = |grid_dim: (u32, u32, u32)| LaunchConfig {
+            grid_dim,
+            block_dim: (PASS_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let grid_y = |what: &str, n: usize| -> Result<u32, GpuSamplingError> {
+            u32::try_from(n)
+                .ok()
+                .filter(|&g| (1..=65535).contains(&g))
+                .ok_or_else(|| {
+                    GpuSamplingError::Shape(format!("{what}: {n} exceeds the grid's y/z limit"))
+                })
+        };
+        if batch.rules.has_greedy {
+            let mut b = self.stream.launch_builder(&self.argmax_fn);
+            b.arg(batch.target_probs)
+                .arg(&v_i)
+                .arg(&chunks_i)
+                .arg(&mut out.arg_val)
+                .arg(&mut out.arg_idx);
+            // SAFETY: argument types and order match the kernel; target_probs holds rows x vocab
+            // entries and the scratch rows x chunks (sized by VerifyOutput::new for this shape).
+            unsafe { b.launch(pass((out.chunks as u32, grid_y("target rows", rows)?, 1))) }?;
+        }
+        if batch.rules.has_block && k_max >= 2 {
+            let mut b = self.stream.launch_builder(&self.block_fn);
+            b.arg(batch.target_probs)
+                .arg(batch.target_inv_sums)
+                .arg(draft_probs)
+                .arg(draft_sums)
+                .arg(&has)
+                .arg(batch.draft_tokens)
+                .arg(batch.num_drafts)
+                .arg(&batch.rules.ids)
+                .arg(&k_i)
+                .arg(&v_i)
+                .arg(&chunks_i)
+                .arg(&mut out.z_partial);
+            // SAFETY: as for verify_drafts below; z_partial holds batch x (k_max - 1) x chunks.
+            unsafe {
+                b.launch(pass((
+                    out.chunks as u32,
+                    grid_y("k_max - 1", k_max - 1)?,
+                    grid_y("batch", n)?,
+                )))
+            }?;
+        }
         let mut b = self.stream.launch_builder(&self.verify_fn);
         b.arg(batch.target_probs)
             .arg(batch.target_inv_sums)
@@ -582,6 +688,10 @@ impl GpuSampler {
             .arg(&mut philox.offsets)
             .arg(&k_i)
             .arg(&v_i)
+            .arg(&chunks_i)
+            .arg(&out.arg_val)
+            .arg(&out.arg_idx)
+            .arg(&out.z_partial)
             .arg(&mut out.buf);
         // SAFETY: argument types and order match the kernel; every buffer holds what the kernel
         // indexes for n sequences of k_max drafts over vocab entries (checked above); the kernel
@@ -627,10 +737,7 @@ impl GpuSampler {
             })
         }?;
         let out = self.stream.clone_dtoh(&dout)?;
-        Ok(out
-            .chunks(4)
-            .map(|w| [w[0], w[1], w[2], w[3]])
-            .collect())
+        Ok(out.chunks(4).map(|w| [w[0], w[1], w[2], w[3]]).collect())
     }
 }
 
@@ -665,7 +772,10 @@ mod tests {
         ));
         assert!(matches!(
             decode_record(&[99, 5, 0, 0, 0, 0, 0], k_max),
-            Err(VerifyFailure::Unknown { code: 99, detail: 5 })
+            Err(VerifyFailure::Unknown {
+                code: 99,
+                detail: 5
+            })
         ));
         assert_eq!(
             GpuSampler::decode_row_status(&[0, 0, 1, 17, 2, 0]),
