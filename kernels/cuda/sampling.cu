@@ -110,18 +110,19 @@ struct Scratch {
 // order per thread, so results are the same as the plain loop's.
 #define SPL_UNROLL 8
 
-// use(x, load(x)) for x = start, start + step, ... < end, in that order.
-template <class T, class L, class U>
+// use(x, load(x)) for x = start, start + step, ... < end, in that order, UN loads at a time (kernels
+// with few threads per SM ask for more).
+template <class T, int UN = SPL_UNROLL, class L, class U>
 __device__ __forceinline__ void strided(int start, int end, int step, const L& load, U&& use) {
-    for (int base = start; base < end; base += SPL_UNROLL * step) {
-        T v[SPL_UNROLL];
+    for (int base = start; base < end; base += UN * step) {
+        T v[UN];
 #pragma unroll
-        for (int u = 0; u < SPL_UNROLL; ++u) {
+        for (int u = 0; u < UN; ++u) {
             int x = base + u * step;
             if (x < end) v[u] = load(x);
         }
 #pragma unroll
-        for (int u = 0; u < SPL_UNROLL; ++u) {
+        for (int u = 0; u < UN; ++u) {
             int x = base + u * step;
             if (x < end) use(x, v[u]);
         }
@@ -376,20 +377,39 @@ __device__ void segment_sums(const W& w, int n, int seg_len, double* sum_out, in
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     double mine = 0.0;
     int mine_last = -1;
-    for (int j = 0; j < 32; ++j) {
-        int lo = (warp * 32 + j) * seg_len;
-        int hi = min(lo + seg_len, n);
-        double acc = 0.0;
-        int last = -1;
-        strided<double>(lo + lane, hi, 32, w, [&](int x, double v) {
-            acc += v;
-            if (v > 0.0) last = x;
-        });
-        acc = warp_sum_d(acc);
-        last = warp_max_i(last);
-        if (lane == j) {
-            mine = acc;
-            mine_last = last;
+    // Four segments at a time, two tiles of each per step: eight independent loads per lane in flight
+    // across segments, instead of one segment's loads and then its reduction before the next segment.
+    // Each segment's per-lane sum still runs over its entries in index order.
+    for (int j0 = 0; j0 < 32; j0 += 4) {
+        double acc[4] = {0.0, 0.0, 0.0, 0.0};
+        int last[4] = {-1, -1, -1, -1};
+        for (int t = lane; t < seg_len; t += 64) {
+            double v[8];
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    int off = t + 32 * h;
+                    int x = (warp * 32 + j0 + q) * seg_len + off;
+                    v[q * 2 + h] = (off < seg_len && x < n) ? w(x) : 0.0;
+                }
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    double val = v[q * 2 + h];
+                    acc[q] += val;
+                    if (val > 0.0) last[q] = (warp * 32 + j0 + q) * seg_len + t + 32 * h;
+                }
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            double a = warp_sum_d(acc[q]);
+            int l = warp_max_i(last[q]);
+            if (lane == j0 + q) {
+                mine = a;
+                mine_last = l;
+            }
         }
     }
     *sum_out = mine;
@@ -454,7 +474,7 @@ __device__ int block_sample(const W& w, int n, double u, Scratch& sc, double* to
 template <class W>
 __device__ double block_weight_sum(const W& w, int lo, int hi, Scratch& sc) {
     double acc = 0.0;
-    strided<double>(lo + threadIdx.x, hi, blockDim.x, w, [&](int, double v) { acc += v; });
+    strided<double, 16>(lo + threadIdx.x, hi, blockDim.x, w, [&](int, double v) { acc += v; });
     return block_sum_d(acc, sc);
 }
 
@@ -469,7 +489,7 @@ extern "C" __global__ void row_inv_sums(const float* rows, int n, double* inv_su
     const float* r = rows + (size_t)blockIdx.x * n;
     double acc = 0.0;
     int bad = 0;
-    strided<float>(threadIdx.x, n, blockDim.x, [&](int x) { return r[x]; }, [&](int, float v) {
+    strided<float, 32>(threadIdx.x, n, blockDim.x, [&](int x) { return r[x]; }, [&](int, float v) {
         // Not (finite and >= 0): NaN fails every comparison.
         if (!(v >= 0.0f && v < SPL_F32_INF)) bad = 1;
         acc += (double)v;
@@ -556,7 +576,7 @@ __device__ u32 select_mass_boundary(const float* p, int n, u32 kb, int kcut, dou
     double above = 0.0;
     for (int shift = 28; shift >= 0; shift -= 4) {
         for (int d = 0; d < 16; ++d) bins[d * nt + threadIdx.x] = 0.0;
-        strided<float>(threadIdx.x, n, nt, [&](int x) { return p[x]; }, [&](int x, float v) {
+        strided<float, 32>(threadIdx.x, n, nt, [&](int x) { return p[x]; }, [&](int x, float v) {
             u32 bits = __float_as_uint(v);
             if (kept_by(bits, x, kb, kcut) && (bits & mask) == prefix)
                 bins[((bits >> shift) & 15u) * nt + threadIdx.x] += (double)v;
@@ -611,7 +631,7 @@ __device__ u32 select_mass_boundary(const float* p, int n, u32 kb, int kcut, dou
 // Entries with bits == value among those kept by (kb, kcut): their count.
 __device__ int count_equal(const float* p, int n, u32 value, u32 kb, int kcut, Scratch& sc) {
     int c = 0;
-    strided<float>(threadIdx.x, n, blockDim.x, [&](int x) { return p[x]; }, [&](int x, float v) {
+    strided<float, 32>(threadIdx.x, n, blockDim.x, [&](int x) { return p[x]; }, [&](int x, float v) {
         u32 bits = __float_as_uint(v);
         if (bits == value && kept_by(bits, x, kb, kcut)) c++;
     });
@@ -698,7 +718,7 @@ extern "C" __global__ void __launch_bounds__(SPL_PROBS_THREADS)
         // One pass finds the first bad index and the argmax (meaningful only without a bad value).
         float bv = SPL_F32_NEG_INF;
         int bi = SPL_INT_MAX;
-        strided<float>(threadIdx.x, vocab, nt, [&](int x) { return l[x]; }, [&](int x, float v) {
+        strided<float, 32>(threadIdx.x, vocab, nt, [&](int x) { return l[x]; }, [&](int x, float v) {
             if (v != v || v == SPL_F32_INF) bad = min(bad, x);
             if (v > bv) {
                 bv = v;
@@ -739,7 +759,7 @@ extern "C" __global__ void __launch_bounds__(SPL_PROBS_THREADS)
     const double inv_t = 1.0 / (double)temperature;
     const double max_d = (double)max_value;
     double sum_e = 0.0;
-    strided<float>(threadIdx.x, row_stride, nt, [&](int x) { return x < vocab ? l[x] : 0.0f; }, [&](int x, float v) {
+    strided<float, 32>(threadIdx.x, row_stride, nt, [&](int x) { return x < vocab ? l[x] : 0.0f; }, [&](int x, float v) {
         if (x < vocab) {
             double e = exp(__dmul_rn(__dsub_rn((double)v, max_d), inv_t));
             p[x] = (float)e;
@@ -764,7 +784,7 @@ extern "C" __global__ void __launch_bounds__(SPL_PROBS_THREADS)
     }
     if (by_p) {
         double kept_mass = 0.0;
-        strided<float>(threadIdx.x, vocab, nt, [&](int x) { return p[x]; }, [&](int x, float v) {
+        strided<float, 32>(threadIdx.x, vocab, nt, [&](int x) { return p[x]; }, [&](int x, float v) {
             if (kept_by(__float_as_uint(v), x, kb, kcut)) kept_mass += (double)v;
         });
         kept_mass = block_sum_d(kept_mass, sc);
@@ -783,7 +803,7 @@ extern "C" __global__ void __launch_bounds__(SPL_PROBS_THREADS)
     if (by_k || by_p) {
         // The restricted sum is over the kept f32 values, widened (as the CPU sums order[..keep]).
         double s = 0.0;
-        strided<float>(threadIdx.x, vocab, nt, [&](int x) { return p[x]; }, [&](int x, float v) {
+        strided<float, 32>(threadIdx.x, vocab, nt, [&](int x) { return p[x]; }, [&](int x, float v) {
             u32 bits = __float_as_uint(v);
             if (kept_by(bits, x, kb, kcut) && kept_by(bits, x, pb, pcut)) s += (double)v;
         });
@@ -791,7 +811,7 @@ extern "C" __global__ void __launch_bounds__(SPL_PROBS_THREADS)
     }
     const double inv = 1.0 / sum;
     double written = 0.0;
-    strided<float>(threadIdx.x, vocab, nt, [&](int x) { return p[x]; }, [&](int x, float v) {
+    strided<float, 32>(threadIdx.x, vocab, nt, [&](int x) { return p[x]; }, [&](int x, float v) {
         u32 bits = __float_as_uint(v);
         float out = (kept_by(bits, x, kb, kcut) && kept_by(bits, x, pb, pcut)) ? (float)__dmul_rn((double)v, inv)
                                                                                  : 0.0f;
@@ -825,17 +845,17 @@ extern "C" __global__ void __launch_bounds__(SPL_PROBS_THREADS)
 // Chunks of this many entries per pre-pass CTA (16 chunks for a 128k vocabulary).
 #define SPL_CHUNK 8192
 
-// Grid: (chunks, B * (K+1)). arg_val/arg_idx [B * (K+1), chunks]: the largest value of the chunk and its
+// Grid: B * (K+1) * chunks. arg_val/arg_idx [B * (K+1), chunks]: the largest value of the chunk and its
 // lowest index (SPL_INT_MAX when nothing beats -inf).
 extern "C" __global__ void row_argmax_chunks(const float* target_probs, int vocab, int chunks, float* arg_val,
                                              int* arg_idx) {
     __shared__ Scratch sc;
-    const int c = blockIdx.x, row = blockIdx.y;
+    const int c = blockIdx.x % chunks, row = blockIdx.x / chunks;
     const float* r = target_probs + (size_t)row * vocab;
     const int lo = c * SPL_CHUNK, hi = min(lo + SPL_CHUNK, vocab);
     float bv = SPL_F32_NEG_INF;
     int bi = SPL_INT_MAX;
-    strided<float>(lo + threadIdx.x, hi, blockDim.x, [&](int x) { return r[x]; }, [&](int x, float v) {
+    strided<float, 32>(lo + threadIdx.x, hi, blockDim.x, [&](int x) { return r[x]; }, [&](int x, float v) {
         if (v > bv) {
             bv = v;
             bi = x;
@@ -849,53 +869,80 @@ extern "C" __global__ void row_argmax_chunks(const float* target_probs, int voca
     }
 }
 
-// P_{row+1}(x) and Q_{row+1}(x) as CheckedInput::target_prob / draft_prob read them.
+// A step's per-slot scalars, loaded once into shared memory by one parallel read (a chain of dependent
+// global loads per slot would cost a memory latency each): draft tokens, row scales, P_i(x_i), Q_i(x_i),
+// synthetic rates. Every kernel that needs p_i computes it from these with the same operations, so the
+// values agree bitwise between kernels.
+#define SPL_MAX_K 64
+
+struct StepScalars {
+    u32 x[SPL_MAX_K];
+    double p_scale[SPL_MAX_K + 1];
+    double q_scale[SPL_MAX_K];
+    double p_at[SPL_MAX_K];  // P_{s+1}(x_s) as stored (0 when x_s is outside the vocabulary)
+    double q_at[SPL_MAX_K];  // Q_{s+1}(x_s) as stored (one-hot: unused)
+    double rate[SPL_MAX_K];
+};
+
+// The rows of sequence b and its scalars.
 struct SeqView {
     const float* P;
-    const double* p_scale;
     const float* Q;  // nullptr: one-hot drafter
-    const double* q_scale;
-    const u32* xs;
     size_t V;
-    __device__ __forceinline__ double target_prob(int row, u32 x) const {
-        return __dmul_rn((double)P[row * V + x], p_scale[row]);
+    const StepScalars* s;
+    // P_{s+1}(x_s) and Q_{s+1}(x_s) as CheckedInput::target_prob / draft_prob read them.
+    __device__ __forceinline__ double target_prob_at(int slot) const {
+        return __dmul_rn(s->p_at[slot], s->p_scale[slot]);
     }
-    __device__ __forceinline__ double draft_prob(int row, u32 x) const {
-        return Q ? __dmul_rn((double)Q[row * V + x], q_scale[row]) : (x == xs[row] ? 1.0 : 0.0);
+    __device__ __forceinline__ double draft_prob_at(int slot) const {
+        return Q ? __dmul_rn(s->q_at[slot], s->q_scale[slot]) : 1.0;
     }
-    // The block rule's p_i = min(1, p_{i-1} P_i(x_i) / Q_i(x_i)), p_0 = 1 (the same operations in every
-    // kernel that needs it, so they agree bitwise).
+    __device__ __forceinline__ double ratio(int slot) const { return target_prob_at(slot) / draft_prob_at(slot); }
+    // The block rule's p_i = min(1, p_{i-1} P_i(x_i) / Q_i(x_i)), p_0 = 1.
     __device__ __forceinline__ double block_weight(int i) const {
         double w = 1.0;
-        for (int s = 0; s < i; ++s) {
-            double ratio = target_prob(s, xs[s]) / draft_prob(s, xs[s]);
-            double next = w * ratio;
+        for (int slot = 0; slot < i; ++slot) {
+            double next = w * ratio(slot);
             w = next < 1.0 ? next : 1.0;
         }
         return w;
     }
     // max(weight * P_{row+1} - Q_{row+1}, 0), as CheckedInput::residual.
     __device__ __forceinline__ ResidualWeight residual(int row, double weight) const {
-        ResidualWeight w = {P + (size_t)row * V, Q ? Q + (size_t)row * V : nullptr, p_scale[row],
-                            Q ? q_scale[row] : 1.0, weight, (int)xs[row]};
+        ResidualWeight w = {P + (size_t)row * V, Q ? Q + (size_t)row * V : nullptr, s->p_scale[row],
+                            Q ? s->q_scale[row] : 1.0, weight, (int)s->x[row]};
         return w;
     }
 };
 
-__device__ __forceinline__ SeqView seq_view(int b, const float* target_probs, const double* target_inv_sums,
-                                            const float* draft_probs, const double* draft_inv_sums,
-                                            int has_draft_probs, const u32* draft_tokens, int k_max, int vocab) {
+// Loads sequence b's scalars for all k_max slots (every slot exists in the buffers whatever k is).
+__device__ SeqView load_seq(int b, const float* target_probs, const double* target_inv_sums,
+                            const float* draft_probs, const double* draft_inv_sums, int has_draft_probs,
+                            const u32* draft_tokens, const double* rates, int k_max, int vocab,
+                            StepScalars* sm) {
     SeqView v;
     v.V = (size_t)vocab;
     v.P = target_probs + (size_t)b * (k_max + 1) * v.V;
-    v.p_scale = target_inv_sums + (size_t)b * (k_max + 1);
     v.Q = has_draft_probs ? draft_probs + (size_t)b * k_max * v.V : nullptr;
-    v.q_scale = has_draft_probs ? draft_inv_sums + (size_t)b * k_max : nullptr;
-    v.xs = draft_tokens + (size_t)b * k_max;
+    v.s = sm;
+    const u32* xs = draft_tokens + (size_t)b * k_max;
+    for (int t = threadIdx.x; t <= k_max; t += blockDim.x) {
+        sm->p_scale[t] = target_inv_sums[(size_t)b * (k_max + 1) + t];
+        if (t < k_max) {
+            u32 x = xs[t];
+            bool in = x < (u32)vocab;
+            sm->x[t] = x;
+            sm->p_at[t] = in ? (double)v.P[t * v.V + x] : 0.0;
+            sm->q_scale[t] = v.Q ? draft_inv_sums[(size_t)b * k_max + t] : 1.0;
+            sm->q_at[t] = (v.Q && in) ? (double)v.Q[t * v.V + x] : 0.0;
+            sm->rate[t] = rates ? rates[(size_t)b * k_max + t] : 0.0;
+        }
+    }
+    __syncthreads();
     return v;
 }
 
-// Grid: (chunks, max(K-1, 1), B). z_partial [B, max(K-1, 1), chunks]: for block-rule sequence b and
+// Grid: (B * chunks, max(K-1, 1)). z_partial [B, max(K-1, 1), chunks]: for block-rule sequence b and
 // i = blockIdx.y + 1 < k, sum over chunk c of max(p_i P_{i+1}(x) - Q_{i+1}(x), 0); 0 elsewhere. A sequence
 // whose input is invalid gets zeros (verify_drafts reports it without reading them).
 extern "C" __global__ void block_residual_masses(const float* target_probs, const double* target_inv_sums,
@@ -904,15 +951,20 @@ extern "C" __global__ void block_residual_masses(const float* target_probs, cons
                                                  const int* num_drafts, const int* rules, int k_max, int vocab,
                                                  int chunks, double* z_partial) {
     __shared__ Scratch sc;
-    const int c = blockIdx.x, i = blockIdx.y + 1, b = blockIdx.z;
+    __shared__ StepScalars sm;
+    const int b = blockIdx.x / chunks, c = blockIdx.x % chunks, i = blockIdx.y + 1;
     double* out = z_partial + ((size_t)b * gridDim.y + blockIdx.y) * chunks + c;
     const int k = num_drafts[b];
-    bool run = rules[b] == SPL_RULE_BLOCK && k >= 0 && k <= k_max && i < k;
-    const SeqView v = seq_view(b, target_probs, target_inv_sums, draft_probs, draft_inv_sums, has_draft_probs,
-                               draft_tokens, k_max, vocab);
-    for (int s = 0; run && s <= i; ++s)
-        if (v.xs[s] >= (u32)vocab) run = false;
-    if (!run) {
+    if (!(rules[b] == SPL_RULE_BLOCK && k >= 0 && k <= k_max && i < k)) {
+        if (threadIdx.x == 0) *out = 0.0;
+        return;
+    }
+    const SeqView v = load_seq(b, target_probs, target_inv_sums, draft_probs, draft_inv_sums, has_draft_probs,
+                               draft_tokens, nullptr, k_max, vocab, &sm);
+    bool valid = true;
+    for (int s = 0; s <= i; ++s)
+        if (sm.x[s] >= (u32)vocab) valid = false;
+    if (!valid) {
         if (threadIdx.x == 0) *out = 0.0;
         return;
     }
@@ -937,18 +989,17 @@ extern "C" __global__ void __launch_bounds__(1024)
                   const int* rules, const double* rates, const u64* seeds, u64* offsets, int k_max, int vocab,
                   int chunks, const float* arg_val, const int* arg_idx, const double* z_partial, int* out) {
     __shared__ Scratch sc;
+    __shared__ StepScalars sm;
     const int b = blockIdx.x;
-    const SeqView v = seq_view(b, target_probs, target_inv_sums, draft_probs, draft_inv_sums, has_draft_probs,
-                               draft_tokens, k_max, vocab);
-    const size_t V = v.V;
-    const float* P = v.P;
-    const float* Q = v.Q;
-    const u32* xs = v.xs;
-    const double* rate = rates + (size_t)b * k_max;
     const int k = num_drafts[b];
     const int rule = rules[b];
     const u64 seed = seeds[b], offset = offsets[b];
     int* o = out + (size_t)b * (k_max + 4);
+    const SeqView v = load_seq(b, target_probs, target_inv_sums, draft_probs, draft_inv_sums, has_draft_probs,
+                               draft_tokens, rates, k_max, vocab, &sm);
+    const size_t V = v.V;
+    const float* P = v.P;
+    const bool one_hot = v.Q == nullptr;
 
     // Validation, in CheckedInput::new's order; every thread computes the same answer.
     int error = SPL_OK, detail = 0;
@@ -960,27 +1011,27 @@ extern "C" __global__ void __launch_bounds__(1024)
         detail = rule;
     }
     for (int s = 0; error == SPL_OK && s < k; ++s)
-        if (xs[s] >= (u32)vocab) {
+        if (sm.x[s] >= (u32)vocab) {
             error = SPL_TOKEN_OUT_OF_VOCAB;
             detail = s;
         }
     for (int r = 0; error == SPL_OK && r <= k; ++r)
-        if (!valid_scale(v.p_scale[r])) {
+        if (!valid_scale(sm.p_scale[r])) {
             error = SPL_INVALID_TARGET_ROW;
             detail = r;
         }
-    for (int r = 0; error == SPL_OK && Q && r < k; ++r)
-        if (!valid_scale(v.q_scale[r])) {
+    for (int r = 0; error == SPL_OK && !one_hot && r < k; ++r)
+        if (!valid_scale(sm.q_scale[r])) {
             error = SPL_INVALID_DRAFT_ROW;
             detail = r;
         }
-    for (int s = 0; error == SPL_OK && Q && s < k; ++s)
-        if (Q[s * V + xs[s]] == 0.0f) {
+    for (int s = 0; error == SPL_OK && !one_hot && s < k; ++s)
+        if (sm.q_at[s] == 0.0) {
             error = SPL_ZERO_DRAFT_PROB;
             detail = s;
         }
     for (int s = 0; error == SPL_OK && rule == SPL_RULE_SYNTHETIC && s < k; ++s)
-        if (!(rate[s] >= 0.0 && rate[s] <= 1.0)) {
+        if (!(sm.rate[s] >= 0.0 && sm.rate[s] <= 1.0)) {
             error = SPL_TOO_FEW_RATES;
             detail = s;
         }
@@ -1010,7 +1061,7 @@ extern "C" __global__ void __launch_bounds__(1024)
                     best = arg_idx[base + c];
                 }
             if (best == SPL_INT_MAX) best = 0;
-            if (s == k || (u32)best != xs[s]) {
+            if (s == k || (u32)best != sm.x[s]) {
                 accepted = s;
                 token = best;
                 break;
@@ -1024,10 +1075,10 @@ extern "C" __global__ void __launch_bounds__(1024)
         for (int s = 0; s < k; ++s) {
             double prob;
             if (rule == SPL_RULE_STANDARD) {
-                double ratio = v.target_prob(s, xs[s]) / v.draft_prob(s, xs[s]);
+                double ratio = v.ratio(s);
                 prob = ratio < 1.0 ? ratio : 1.0;
             } else {
-                prob = rate[s];
+                prob = sm.rate[s];
             }
             double u = philox_uniform(seed, offset, draw++);
             if (!(u < prob)) {
@@ -1083,7 +1134,7 @@ extern "C" __global__ void __launch_bounds__(1024)
         o[0] = SPL_OK;
         o[1] = 0;
         o[2] = accepted;
-        for (int s = 0; s < accepted; ++s) o[3 + s] = (int)xs[s];
+        for (int s = 0; s < accepted; ++s) o[3 + s] = (int)sm.x[s];
         o[3 + accepted] = token;
         offsets[b] = offset + 1;
     }

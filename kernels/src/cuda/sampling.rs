@@ -649,7 +649,7 @@ impl GpuSampler {
                 .arg(&mut out.arg_idx);
             // SAFETY: argument types and order match the kernel; target_probs holds rows x vocab
             // entries and the scratch rows x chunks (sized by VerifyOutput::new for this shape).
-            unsafe { b.launch(pass((out.chunks as u32, grid_y("target rows", rows)?, 1))) }?;
+            unsafe { b.launch(pass((grid("row_argmax_chunks", rows * out.chunks)?, 1, 1))) }?;
         }
         if batch.rules.has_block && k_max >= 2 {
             let mut b = self.stream.launch_builder(&self.block_fn);
@@ -668,9 +668,9 @@ impl GpuSampler {
             // SAFETY: as for verify_drafts below; z_partial holds batch x (k_max - 1) x chunks.
             unsafe {
                 b.launch(pass((
-                    out.chunks as u32,
+                    grid("block_residual_masses", n * out.chunks)?,
                     grid_y("k_max - 1", k_max - 1)?,
-                    grid_y("batch", n)?,
+                    1,
                 )))
             }?;
         }
