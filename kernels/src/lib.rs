@@ -6,6 +6,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod matrix;
+pub mod philox;
 pub mod sampling;
 
 pub use matrix::{Matrix, MatrixData};

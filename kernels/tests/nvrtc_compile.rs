@@ -3,7 +3,7 @@
 //! package (scripts/test.sh); there a missing NVRTC is a failure, elsewhere the test says it was skipped.
 #![cfg(feature = "cuda")]
 
-use specula_kernels::cuda::{compile_all, nvrtc_available, DECODER_KERNELS};
+use specula_kernels::cuda::{compile_all, nvrtc_available, EXPORTED_KERNELS, KERNEL_SOURCES};
 
 #[test]
 fn kernels_compile_for_hopper_and_blackwell() {
@@ -17,16 +17,23 @@ fn kernels_compile_for_hopper_and_blackwell() {
     }
     for arch in ["sm_90", "sm_103a"] {
         let ptx = compile_all(arch).unwrap_or_else(|e| panic!("{e}"));
-        let src = ptx[0].1.to_src();
-        assert!(
-            src.contains(&format!(".target {arch}")),
-            "{arch}: PTX targets something else"
-        );
-        for k in DECODER_KERNELS {
+        assert_eq!(ptx.len(), KERNEL_SOURCES.len());
+        for (file, ptx) in &ptx {
+            let src = ptx.to_src();
             assert!(
-                src.contains(&format!(".entry {k}(")),
-                "{arch}: kernel {k} missing from the PTX"
+                src.contains(&format!(".target {arch}")),
+                "{arch} {file}: PTX targets something else"
             );
+            let (_, kernels) = EXPORTED_KERNELS
+                .iter()
+                .find(|(name, _)| name == file)
+                .unwrap_or_else(|| panic!("{file} has no list of exported kernels"));
+            for k in *kernels {
+                assert!(
+                    src.contains(&format!(".entry {k}(")),
+                    "{arch}: kernel {k} missing from the PTX of {file}"
+                );
+            }
         }
     }
 }

@@ -5,6 +5,7 @@
 //! the fallback.
 
 mod gemm;
+pub mod sampling;
 pub use gemm::Gemm;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
@@ -12,8 +13,16 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 use std::sync::Arc;
 
 /// Every `.cu` source of the backend, by file name.
-pub const KERNEL_SOURCES: &[(&str, &str)] =
-    &[("decoder.cu", include_str!("../../cuda/decoder.cu"))];
+pub const KERNEL_SOURCES: &[(&str, &str)] = &[
+    ("decoder.cu", include_str!("../../cuda/decoder.cu")),
+    ("sampling.cu", include_str!("../../cuda/sampling.cu")),
+];
+
+/// The kernels each source must export, by file name (the compile test checks every one).
+pub const EXPORTED_KERNELS: &[(&str, &[&str])] = &[
+    ("decoder.cu", DECODER_KERNELS),
+    ("sampling.cu", sampling::SAMPLING_KERNELS),
+];
 
 /// The kernels `decoder.cu` must export (checked at load so a rename fails at start, not mid-step).
 pub const DECODER_KERNELS: &[&str] = &[
@@ -83,32 +92,38 @@ pub fn arch_name(arch: &str) -> Result<&'static str, CudaError> {
 /// Compiles every kernel source for `arch` (e.g. "sm_90"). Used at start on the GPU machine and by CI
 /// without a GPU so the sources cannot rot.
 pub fn compile_all(arch: &str) -> Result<Vec<(&'static str, Ptx)>, CudaError> {
+    KERNEL_SOURCES
+        .iter()
+        .map(|(file, _)| compile_source(file, arch).map(|ptx| (*file, ptx)))
+        .collect()
+}
+
+/// Compiles one source of [`KERNEL_SOURCES`] by file name for `arch`.
+pub fn compile_source(file: &str, arch: &str) -> Result<Ptx, CudaError> {
     if !nvrtc_available() {
         return Err(CudaError::NoNvrtc);
     }
     let arch = arch_name(arch)?;
-    KERNEL_SOURCES
+    let src = KERNEL_SOURCES
         .iter()
-        .map(|(file, src)| {
-            let opts = CompileOptions {
-                arch: Some(arch),
-                // Keep IEEE division/sqrt and no FMA contraction surprises beyond what the source asks:
-                // parity with the CPU reference matters more than the last percent.
-                prec_div: Some(true),
-                prec_sqrt: Some(true),
-                ftz: Some(false),
-                name: Some(file.to_string()),
-                ..Default::default()
-            };
-            compile_ptx_with_opts(src, opts)
-                .map(|ptx| (*file, ptx))
-                .map_err(|e| CudaError::Compile {
-                    file: file.to_string(),
-                    arch: arch.to_string(),
-                    log: e.to_string(),
-                })
-        })
-        .collect()
+        .find(|(name, _)| *name == file)
+        .map(|(_, src)| *src)
+        .ok_or_else(|| CudaError::Shape(format!("no kernel source named {file}")))?;
+    let opts = CompileOptions {
+        arch: Some(arch),
+        // Keep IEEE division/sqrt and no FMA contraction surprises beyond what the source asks:
+        // parity with the CPU reference matters more than the last percent.
+        prec_div: Some(true),
+        prec_sqrt: Some(true),
+        ftz: Some(false),
+        name: Some(file.to_string()),
+        ..Default::default()
+    };
+    compile_ptx_with_opts(src, opts).map_err(|e| CudaError::Compile {
+        file: file.to_string(),
+        arch: arch.to_string(),
+        log: e.to_string(),
+    })
 }
 
 /// A GPU ready to run the decoder kernels: context, stream, and the compiled module.
@@ -136,9 +151,7 @@ impl GpuDevice {
         unsafe { ctx.disable_event_tracking() };
         let (major, minor) = ctx.compute_capability()?;
         let arch = format!("sm_{major}{minor}");
-        let ptx = compile_all(&arch)?;
-        let (_, decoder) = ptx.into_iter().next().expect("one source");
-        let module = ctx.load_module(decoder)?;
+        let module = ctx.load_module(compile_source("decoder.cu", &arch)?)?;
         for k in DECODER_KERNELS {
             module.load_function(k)?;
         }
