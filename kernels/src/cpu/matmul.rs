@@ -117,31 +117,28 @@ impl CpuKernel {
 /// vocabulary projection spreads over both cores evenly.
 const ROWS_PER_TASK: usize = 32;
 
-/// Largest micro-tile side (rows or tokens) any kernel uses.
-const MAX_TILE: usize = 8;
+/// Largest micro-tile side (rows or tokens) of the Portable and AVX2 kernels.
+const MAX_TILE: usize = 4;
 
-/// Micro-tile shape `(rows, tokens)` for `remaining` tokens left in this task. The shape never
-/// changes results, only speed.
-fn tile_shape(kernel: CpuKernel, remaining: usize) -> (usize, usize) {
-    match kernel {
-        CpuKernel::Avx512 => {
-            // 32 zmm registers: rows x tokens accumulators + one register per weight row + one
-            // for the activations. Up to 8 tokens share each weight load.
-            let nt = remaining.min(AVX512_MAX_TOKENS);
-            (AVX512_ROWS[nt], nt)
-        }
-        _ => {
-            // Row-tile size by token-tile size keeps 8 accumulators live (enough FMA chains to
-            // hide latency) without spilling the 16 ymm registers.
-            let nt = remaining.min(4);
-            (if nt <= 2 { 4 } else { 2 }, nt)
-        }
-    }
+/// Micro-tile shape `(rows, tokens)` of the Portable and AVX2 kernels for `remaining` tokens
+/// left in this task. Row-tile size by token-tile size keeps 8 accumulators live (enough FMA
+/// chains to hide latency) without spilling the 16 ymm registers. The shape never changes
+/// results, only speed.
+fn tile_shape(remaining: usize) -> (usize, usize) {
+    let nt = remaining.min(MAX_TILE);
+    (if nt <= 2 { 4 } else { 2 }, nt)
 }
 
+/// AVX-512: tokens sharing each weight load (one token group at a time).
 const AVX512_MAX_TOKENS: usize = 8;
-/// Rows per AVX-512 micro-tile, by tokens in the tile (index 0 unused).
-const AVX512_ROWS: [usize; 9] = [0, 8, 4, 4, 4, 3, 3, 3, 3];
+/// AVX-512: rows per micro-tile, by tokens in the group (index 0 unused). 32 zmm registers hold
+/// rows x tokens accumulators, one register per weight row and one for the activations.
+const AVX512_ROWS: [usize; AVX512_MAX_TOKENS + 1] = [0, 8, 4, 4, 4, 3, 3, 3, 3];
+/// AVX-512: columns per cache block (a multiple of 16, so only the last block has a tail). The
+/// activations of one token group over one block (8 x 512 x 4 B = 16 KiB) stay in L1 while every
+/// row of the task passes over them; the accumulators wait in memory between blocks, so the
+/// order of every dot product is that of one pass over all columns.
+const AVX512_BLOCK_COLS: usize = 512;
 
 /// `out[t * w.rows + r] = sum_c w[r, c] * x[t * w.cols + c]` for `t < n_tokens`.
 pub fn matmul(x: &[f32], n_tokens: usize, w: &Matrix, out: &mut [f32]) {
@@ -180,9 +177,23 @@ pub fn matmul_with(kernel: CpuKernel, x: &[f32], n_tokens: usize, w: &Matrix, ou
         let r0 = task * ROWS_PER_TASK;
         let r1 = (r0 + ROWS_PER_TASK).min(rows);
         let out_ptr = &out_ptr;
+        #[cfg(target_arch = "x86_64")]
+        if kernel == CpuKernel::Avx512 {
+            // SAFETY: checked above that the CPU has AVX-512F and AVX-512BW; the task writes only
+            // its own rows.
+            match &w.data {
+                MatrixData::F32(d) => unsafe {
+                    task_avx512(d, rows, cols, r0, r1, x, n_tokens, out_ptr)
+                },
+                MatrixData::Bf16(d) => unsafe {
+                    task_avx512(d, rows, cols, r0, r1, x, n_tokens, out_ptr)
+                },
+            }
+            return;
+        }
         let mut t0 = 0;
         while t0 < n_tokens {
-            let (rt, nt) = tile_shape(kernel, n_tokens - t0);
+            let (rt, nt) = tile_shape(n_tokens - t0);
             let mut r = r0;
             while r < r1 {
                 let nr = if r1 - r >= rt { rt } else { 1 };
@@ -346,21 +357,6 @@ fn dispatch_tile<W: WeightElem>(
     }
     match kernel {
         #[cfg(target_arch = "x86_64")]
-        CpuKernel::Avx512 => {
-            // SAFETY: matmul_with refuses Avx512 unless the CPU has AVX-512F and AVX-512BW.
-            unsafe fn f<W: WeightElem, const R: usize, const N: usize>(
-                ws: &[&[W]; MAX_TILE],
-                xs: &[&[f32]; MAX_TILE],
-                tile: &mut Tile,
-            ) {
-                unsafe { tile_avx512::<W, R, N>(ws, xs, tile) }
-            }
-            unsafe {
-                go!(f; 8,1; 4,2; 4,3; 4,4; 3,5; 3,6; 3,7; 3,8;
-                    1,1; 1,2; 1,3; 1,4; 1,5; 1,6; 1,7; 1,8)
-            }
-        }
-        #[cfg(target_arch = "x86_64")]
         CpuKernel::Avx2Fma => {
             // SAFETY: matmul_with refuses Avx2Fma unless the CPU has AVX2 and FMA.
             unsafe fn f<W: WeightElem, const R: usize, const N: usize>(
@@ -456,47 +452,116 @@ unsafe fn hsum256(v: std::arch::x86_64::__m256) -> f32 {
     _mm_cvtss_f32(s1)
 }
 
+/// One rayon task of the AVX-512 kernel: rows `r0..r1` for every token. Token groups of up to
+/// `AVX512_MAX_TOKENS`; within a group, column blocks in increasing order; within a block, every
+/// row tile of the task. Each output element's accumulator sees its columns in increasing order
+/// in steps of 16 whatever the group, tile or block, so the result is that of the module docs.
+///
+/// # Safety
+/// The CPU must support AVX-512F and AVX-512BW; `w` is `rows x cols`, `x` is `n_tokens x cols`,
+/// and no other task writes rows `r0..r1` of `out`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
-unsafe fn tile_avx512<W: WeightElem, const R: usize, const N: usize>(
-    ws: &[&[W]; MAX_TILE],
-    xs: &[&[f32]; MAX_TILE],
-    tile: &mut Tile,
+#[allow(clippy::too_many_arguments)]
+unsafe fn task_avx512<W: WeightElem>(
+    w: &[W],
+    rows: usize,
+    cols: usize,
+    r0: usize,
+    r1: usize,
+    x: &[f32],
+    n_tokens: usize,
+    out: &SharedOut,
 ) {
     use std::arch::x86_64::*;
-    let cols = xs[0].len();
-    let main = cols / 16 * 16;
-    let mut acc = [[_mm512_setzero_ps(); N]; R];
-    let wp: [*const W; R] = std::array::from_fn(|r| ws[r].as_ptr());
-    let xp: [*const f32; N] = std::array::from_fn(|n| xs[n].as_ptr());
-    let mut c = 0;
+    debug_assert!(w.len() == rows * cols && x.len() == n_tokens * cols && r1 <= rows);
+    let mut acc = [[_mm512_setzero_ps(); AVX512_MAX_TOKENS]; ROWS_PER_TASK];
+    let mut t0 = 0;
+    while t0 < n_tokens {
+        let nt = (n_tokens - t0).min(AVX512_MAX_TOKENS);
+        let rt = AVX512_ROWS[nt];
+        for a in acc.iter_mut() {
+            *a = [_mm512_setzero_ps(); AVX512_MAX_TOKENS];
+        }
+        let xp = x.as_ptr().add(t0 * cols);
+        let mut c0 = 0;
+        while c0 < cols {
+            let c1 = (c0 + AVX512_BLOCK_COLS).min(cols);
+            let mut r = r0;
+            while r < r1 {
+                let nr = if r1 - r >= rt { rt } else { 1 };
+                let wp = w.as_ptr().add(r * cols);
+                let a = &mut acc[r - r0..];
+                macro_rules! go {
+                    ($($r:literal, $n:literal);*) => {
+                        match (nr, nt) {
+                            $(($r, $n) => block_avx512::<W, $r, $n>(wp, xp, cols, c0, c1, a),)*
+                            _ => unreachable!("AVX-512 tile shape {nr}x{nt}"),
+                        }
+                    };
+                }
+                go!(8,1; 4,2; 4,3; 4,4; 3,5; 3,6; 3,7; 3,8;
+                    1,1; 1,2; 1,3; 1,4; 1,5; 1,6; 1,7; 1,8);
+                r += nr;
+            }
+            c0 = c1;
+        }
+        for (i, row_acc) in acc.iter().enumerate().take(r1 - r0) {
+            for (j, &v) in row_acc.iter().enumerate().take(nt) {
+                // Lanes 0..8 + lanes 8..16, then the same fixed 8-lane sum as AVX2.
+                let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+                let s = hsum256(_mm256_add_ps(_mm512_castps512_ps256(v), hi));
+                // SAFETY: in bounds; rows r0..r1 belong to this task only.
+                *out.0.add((t0 + j) * rows + r0 + i) = s;
+            }
+        }
+        t0 += nt;
+    }
+}
+
+/// Accumulates columns `c0..c1` of `R` weight rows (from `wp`, stride `cols`) against `N` tokens
+/// (from `xp`, stride `cols`) into `acc[r][n]`. `c0` is a multiple of 16; a tail shorter than 16
+/// (only ever at `c1 == cols`) is one more step with the missing lanes zero (0 * 0 + a == a).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+#[inline]
+unsafe fn block_avx512<W: WeightElem, const R: usize, const N: usize>(
+    wp: *const W,
+    xp: *const f32,
+    cols: usize,
+    c0: usize,
+    c1: usize,
+    acc: &mut [[std::arch::x86_64::__m512; AVX512_MAX_TOKENS]],
+) {
+    use std::arch::x86_64::*;
+    let mut a: [[__m512; N]; R] = std::array::from_fn(|r| std::array::from_fn(|n| acc[r][n]));
+    let wr: [*const W; R] = std::array::from_fn(|r| wp.add(r * cols));
+    let xr: [*const f32; N] = std::array::from_fn(|n| xp.add(n * cols));
+    let main = c0 + (c1 - c0) / 16 * 16;
+    let mut c = c0;
     while c < main {
-        let wv: [__m512; R] = std::array::from_fn(|r| W::load16(wp[r].add(c)));
+        let wv: [__m512; R] = std::array::from_fn(|r| W::load16(wr[r].add(c)));
         for n in 0..N {
-            let xv = _mm512_loadu_ps(xp[n].add(c));
+            let xv = _mm512_loadu_ps(xr[n].add(c));
             for r in 0..R {
-                acc[r][n] = _mm512_fmadd_ps(wv[r], xv, acc[r][n]);
+                a[r][n] = _mm512_fmadd_ps(wv[r], xv, a[r][n]);
             }
         }
         c += 16;
     }
-    if main < cols {
-        // The tail as one more 16-lane step with the missing columns zero: 0 * 0 + a == a.
-        let mask = ((1u32 << (cols - main)) - 1) as u16;
-        let wv: [__m512; R] = std::array::from_fn(|r| W::load16_masked(wp[r].add(main), mask));
+    if main < c1 {
+        let mask = ((1u32 << (c1 - main)) - 1) as u16;
+        let wv: [__m512; R] = std::array::from_fn(|r| W::load16_masked(wr[r].add(main), mask));
         for n in 0..N {
-            let xv = _mm512_maskz_loadu_ps(mask, xp[n].add(main));
+            let xv = _mm512_maskz_loadu_ps(mask, xr[n].add(main));
             for r in 0..R {
-                acc[r][n] = _mm512_fmadd_ps(wv[r], xv, acc[r][n]);
+                a[r][n] = _mm512_fmadd_ps(wv[r], xv, a[r][n]);
             }
         }
     }
     for r in 0..R {
         for n in 0..N {
-            let v = acc[r][n];
-            // Lanes 0..8 + lanes 8..16, then the same fixed 8-lane sum as AVX2.
-            let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-            tile[r][n] = hsum256(_mm256_add_ps(_mm512_castps512_ps256(v), hi));
+            acc[r][n] = a[r][n];
         }
     }
 }
