@@ -480,13 +480,15 @@ unsafe fn task_avx512<W: WeightElem>(
     while t0 < n_tokens {
         let nt = (n_tokens - t0).min(AVX512_MAX_TOKENS);
         let rt = AVX512_ROWS[nt];
+        // One token's activations fit L1 whole; blocks only help when several tokens share them.
+        let block = if nt == 1 { cols } else { AVX512_BLOCK_COLS };
         for a in acc.iter_mut() {
             *a = [_mm512_setzero_ps(); AVX512_MAX_TOKENS];
         }
         let xp = x.as_ptr().add(t0 * cols);
         let mut c0 = 0;
         while c0 < cols {
-            let c1 = (c0 + AVX512_BLOCK_COLS).min(cols);
+            let c1 = (c0 + block).min(cols);
             let mut r = r0;
             while r < r1 {
                 let nr = if r1 - r >= rt { rt } else { 1 };
