@@ -977,7 +977,7 @@ fn markdown_tables(
     for sess in sessions.iter().filter(|x| x["kind"] == "session") {
         let p = &sess["provenance"];
         s.push_str(&format!(
-            "- session {}: git {}{}, {}, {} ({} cores)\n",
+            "- session {}: git {}{}, {}, {} ({} cores, CPU kernel {})\n",
             sess["session"].as_str().unwrap_or("?"),
             p["git_revision"].as_str().unwrap_or("?"),
             if p["git_dirty"] == true {
@@ -987,7 +987,8 @@ fn markdown_tables(
             },
             p["machine"].as_str().unwrap_or("?"),
             p["cpu"].as_str().unwrap_or("?"),
-            p["cores"]
+            p["cores"],
+            p["cpu_kernel"].as_str().unwrap_or("unrecorded")
         ));
     }
     s.push_str(&format!(

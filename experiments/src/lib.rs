@@ -63,6 +63,9 @@ pub struct Provenance {
     pub machine: String,
     pub cpu: String,
     pub cores: usize,
+    /// The CPU matmul kernel of this process (`CpuKernel::detect`: portable, avx2 or avx512), so
+    /// a result says which arithmetic produced it.
+    pub cpu_kernel: String,
 }
 
 fn command_output(cmd: &str, args: &[&str]) -> Option<String> {
@@ -93,6 +96,7 @@ impl Provenance {
             cores: std::thread::available_parallelism()
                 .map(|n| n.get())
                 .unwrap_or(1),
+            cpu_kernel: specula_kernels::cpu::CpuKernel::detect().name().into(),
         }
     }
 }

@@ -151,9 +151,9 @@ fn main() -> Result<()> {
     }
     let mut md = String::new();
     md.push_str(&format!(
-        "# CPU reference backend speed\n\n{} on {} ({} cores), git {}{}. Single request, greedy, decode-only \
+        "# CPU reference backend speed\n\n{} on {} ({} cores, CPU kernel {}), git {}{}. Single request, greedy, decode-only \
          (prefill excluded); no speculation. Peak RSS is of the whole process up to that model.\n\n",
-        provenance.date_utc, provenance.cpu, provenance.cores, &provenance.git_revision[..12.min(provenance.git_revision.len())],
+        provenance.date_utc, provenance.cpu, provenance.cores, provenance.cpu_kernel, &provenance.git_revision[..12.min(provenance.git_revision.len())],
         if provenance.git_dirty { " (dirty)" } else { "" }
     ));
     md.push_str("| model | params | weights | decode tok/s | inter-token median / P90 ms | verify fwd (tokens) median / P90 ms | RSS after load MiB | peak RSS MiB |\n|---|---|---|---|---|---|---|---|\n");
