@@ -9,6 +9,9 @@ M=${1:-$HOME/.cache/specula/models}
 OUT=${2:-experiments/results/qwen_pair_acceptance}
 shift $(( $# < 2 ? $# : 2 ))
 D=../shared/data/eval_datasets
+# Every session of this sweep so far ran the AVX2 kernel (AVX-512 rounds differently; 1.16x faster on the
+# 8-token verify, NOTES v0.4b): keep one arithmetic across resumed sessions unless told otherwise.
+export SPECULA_CPU_KERNEL=${SPECULA_CPU_KERNEL:-avx2}
 cargo build --release --locked -q
 exec ./target/release/specula experiment acceptance \
   --target "$M/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf" \
