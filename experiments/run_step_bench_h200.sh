@@ -3,11 +3,11 @@
 # the GPU-vs-CPU parity check, `specula bench step` on the three random-weight shapes, and the HF peer
 # baseline on llama3.2-1b. Writes log.txt and results.tar.gz into $OUT.
 # Usage on the device: SPECULA_GIT_REVISION=<rev> bash experiments/run_step_bench_h200.sh [parts]
-#   parts: any of check,l1,hf,qwen,l8 (default: all)
+#   parts: any of check,l1,qwen,l8,hf (default: all, in that order)
 set -uo pipefail
 out=${OUT:?}/results
 mkdir -p "$out"
-parts=${1:-check,l1,hf,qwen,l8}
+parts=${1:-check,l1,qwen,l8,hf}
 libs=$(python3 -c "import nvidia, glob, os; print(':'.join(sorted({os.path.dirname(p) for b in nvidia.__path__ for p in glob.glob(os.path.join(b, '**', 'lib*.so*'), recursive=True)})))" 2>/dev/null)
 export LD_LIBRARY_PATH="${libs}:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PYTHONUNBUFFERED=1
@@ -17,9 +17,9 @@ bin=.carry/bin
   has() { [[ ",$parts," == *",$1,"* ]]; }
   if has check; then echo "== gpu_forward_check"; $bin/gpu_forward_check; fi
   if has l1; then echo "== bench llama3.2-1b"; $bin/specula bench step --random-weights llama3.2-1b --out "$out"; fi
-  if has hf; then echo "== HF peer llama3.2-1b"; timeout 420 python3 experiments/peers/hf_step.py --shape llama3.2-1b --out "$out" --specula-json "$out/step_bench_llama3.2-1b.json"; fi
   if has qwen; then echo "== bench qwen2.5-coder-1.5b"; $bin/specula bench step --random-weights qwen2.5-coder-1.5b --out "$out"; fi
   if has l8; then echo "== bench llama3.1-8b"; $bin/specula bench step --random-weights llama3.1-8b --steps 32 --out "$out"; fi
+  if has hf; then echo "== HF peer llama3.2-1b"; timeout 300 python3 experiments/peers/hf_step.py --shape llama3.2-1b --out "$out" --specula-json "$out/step_bench_llama3.2-1b.json"; fi
   date -u
 } 2>&1 | tee "$OUT/log.txt"
 tar -czf "$OUT/results.tar.gz" -C "$out" . && rm -rf "$out"

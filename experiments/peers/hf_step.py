@@ -65,7 +65,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama3.2-1b")
     ap.add_argument("--batches", default="1,2,4,8")
-    ap.add_argument("--tokens", default="1,8")
+    ap.add_argument("--tokens", default="8,1")
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
@@ -113,7 +113,28 @@ def main():
             if getattr(layer, "is_initialized", False):
                 layer.cumulative_length.fill_(length)
 
-    compiled = step if args.no_compile else torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    compiled = step if args.no_compile else torch.compile(step, mode="reduce-overhead")
+    def write_report():
+        report = {
+            "peer": "HF transformers, StaticCache, torch.compile(mode='reduce-overhead')"
+            + (" [eager: --no-compile]" if args.no_compile else ""),
+            "metric": "median host inter-token latency of the target step (ids to device, forward, greedy ids back, sync), prefill excluded",
+            "acceptance_mode": "synthetic",
+            "gpu": gpu,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "git_revision": os.environ.get("SPECULA_GIT_REVISION", "unknown"),
+            "shape": f"{args.shape} (random bf16 weights from the HF config, torch seed 0)",
+            "model_build_s": build_s,
+            "config": vars(args),
+            "rows": rows,
+        }
+        out = pathlib.Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"hf_step_{args.shape}.json").write_text(json.dumps(report, indent=2))
+        return out
+
     batches = [int(x) for x in args.batches.split(",")]
     tokens = [int(x) for x in args.tokens.split(",")]
     rng = random.Random(1234)
@@ -169,25 +190,9 @@ def main():
             print(f"HF B={b} T={t}: median {row['step_ms_median']:.3f} ms, P90 {row['step_ms_p90']:.3f} ms, "
                   f"first call {compile_s:.1f} s", flush=True)
             rows.append(row)
+            write_report()  # after every setting, so a cut-off run keeps what it measured
             del cache
-    report = {
-        "peer": "HF transformers, StaticCache, torch.compile(mode='reduce-overhead', fullgraph=True)"
-        + (" [eager: --no-compile]" if args.no_compile else ""),
-        "metric": "median host inter-token latency of the target step (ids to device, forward, greedy ids back, sync), prefill excluded",
-        "acceptance_mode": "synthetic",
-        "gpu": gpu,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "git_revision": os.environ.get("SPECULA_GIT_REVISION", "unknown"),
-        "shape": f"{args.shape} (random bf16 weights from the HF config, torch seed 0)",
-        "model_build_s": build_s,
-        "config": vars(args),
-        "rows": rows,
-    }
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"hf_step_{args.shape}.json").write_text(json.dumps(report, indent=2))
+    out = write_report()
     if args.specula_json:
         ours = json.loads(pathlib.Path(args.specula_json).read_text())
         by_key = {(r["running_requests"], r["tokens_per_seq"]): r for r in ours["rows"]}

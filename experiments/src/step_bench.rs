@@ -70,6 +70,8 @@ pub struct StepRow {
     pub step_ms_run_medians: Vec<f64>,
     pub graph_replay_ms_median: Option<f64>,
     pub graph_replay_ms_p90: Option<f64>,
+    /// The same step launched kernel by kernel (no graph), host-timed, median of 20.
+    pub direct_step_ms_median: f64,
     pub mean_context: f64,
     pub mean_committed_per_step: f64,
     pub kv_bytes_per_step: f64,
@@ -92,6 +94,8 @@ pub struct StepBenchReport {
     pub copy_bandwidth_tb_s: f64,
     pub weight_floor_ms: f64,
     pub linear_choices: Vec<LinearChoiceRow>,
+    /// Why CUDA graphs were switched off, if a capture failed (then steps ran directly).
+    pub graph_error: Option<String>,
     pub rows: Vec<StepRow>,
 }
 
@@ -210,6 +214,7 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
             let mut run_medians = Vec::new();
             let (mut ctx_sum, mut kv_sum, mut committed_sum, mut n_steps) = (0f64, 0f64, 0f64, 0usize);
             let mut replay = None;
+            let mut direct_ms = f64::NAN;
             // One untimed group first: captures the graph of this shape.
             for run in 0..=cfg.runs {
                 let mut run_samples = Vec::new();
@@ -279,6 +284,27 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
                         replay = gpu
                             .time_graph_replays(b, t, t, cfg.replay_reps)?
                             .map(sorted);
+                        // The same step without the graph, repeated and rolled back each time.
+                        let starts: Vec<usize> = seqs.iter().map(|&s| gpu.seq_len(s)).collect::<Result<_, _>>()?;
+                        let blocks: Vec<Vec<u32>> = pending
+                            .iter()
+                            .map(|&p| std::iter::once(p).chain((1..t).map(|_| rng.random_range(0..vocab))).collect())
+                            .collect();
+                        let inputs: Vec<GpuSeqInput> = seqs
+                            .iter()
+                            .zip(&blocks)
+                            .map(|(&seq, blk)| GpuSeqInput { seq, tokens: blk, num_logits: t })
+                            .collect();
+                        let mut direct = Vec::new();
+                        for _ in 0..20 {
+                            let t_step = Instant::now();
+                            gpu.step_argmax_direct(&inputs)?;
+                            direct.push(t_step.elapsed().as_secs_f64() * 1e3);
+                            for (&seq, &st) in seqs.iter().zip(&starts) {
+                                gpu.truncate(seq, st)?;
+                            }
+                        }
+                        direct_ms = percentile(&sorted(direct), 0.5);
                     }
                     for s in seqs {
                         gpu.remove_sequence(s)?;
@@ -302,6 +328,7 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
                 step_ms_run_medians: run_medians,
                 graph_replay_ms_median: replay.as_ref().map(|r| percentile(r, 0.5)),
                 graph_replay_ms_p90: replay.as_ref().map(|r| percentile(r, 0.9)),
+                direct_step_ms_median: direct_ms,
                 mean_context: ctx_sum / n_steps.max(1) as f64,
                 mean_committed_per_step: committed_sum / n_steps.max(1) as f64,
                 kv_bytes_per_step: kv_bytes,
@@ -335,6 +362,7 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
         copy_bandwidth_tb_s: bandwidth,
         weight_floor_ms,
         linear_choices,
+        graph_error: gpu.graph_error().map(str::to_string),
         rows,
     };
     write_report(&report)?;
@@ -373,10 +401,13 @@ graph replay = CUDA events around replays alone; floor = (weight bytes + KV byte
         r.config.steps,
         r.config.acceptance_length,
     ));
-    md.push_str("| running requests | tokens/seq | step ms median | P90 | graph-replay ms | floor ms | % of floor | committed/step | mean context |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    if let Some(e) = &r.graph_error {
+        md.push_str(&format!("**CUDA graphs were off in this run** (capture failed: {e}); steps ran kernel by kernel.\n\n"));
+    }
+    md.push_str("| running requests | tokens/seq | step ms median | P90 | graph-replay ms | floor ms | % of floor | no-graph step ms | committed/step | mean context |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for row in &r.rows {
         md.push_str(&format!(
-            "| {} | {} | {:.3} | {:.3} | {} | {:.3} | {:.0}% | {:.2} | {:.0} |\n",
+            "| {} | {} | {:.3} | {:.3} | {} | {:.3} | {:.0}% | {:.3} | {:.2} | {:.0} |\n",
             row.running_requests,
             row.tokens_per_seq,
             row.step_ms_median,
@@ -385,6 +416,7 @@ graph replay = CUDA events around replays alone; floor = (weight bytes + KV byte
                 .map_or("-".into(), |v| format!("{v:.3}")),
             row.floor_ms,
             row.percent_of_floor,
+            row.direct_step_ms_median,
             row.mean_committed_per_step,
             row.mean_context,
         ));

@@ -184,6 +184,8 @@ pub struct GpuTransformer {
     /// Largest logits rows per launch.
     max_logit_rows: usize,
     graphs: HashMap<(usize, usize, usize), CudaGraph>,
+    /// Set when a capture failed: later steps run directly (correct, slower) and reports say why.
+    graph_error: Option<String>,
 }
 
 fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
@@ -489,6 +491,7 @@ impl GpuTransformer {
             buf,
             max_logit_rows,
             graphs: HashMap::new(),
+            graph_error: None,
             opts,
             config: c,
         })
@@ -701,6 +704,11 @@ impl GpuTransformer {
         Ok(Some(times))
     }
 
+    /// Why graphs were switched off (a failed capture), if they were.
+    pub fn graph_error(&self) -> Option<&str> {
+        self.graph_error.as_deref()
+    }
+
     /// How the most recent `run` of this shape would go: whether a graph exists for it.
     pub fn has_graph(&self, batch: usize, tokens: usize, logits: usize) -> bool {
         let bucket = batch_bucket(batch, self.opts.max_sequences);
@@ -765,7 +773,11 @@ impl GpuTransformer {
         let uniform = inputs
             .iter()
             .all(|i| i.tokens.len() == t && i.num_logits == lg);
-        let graph_shape = (allow_graph && uniform && t <= MAX_GRAPH_TOKENS && lg >= 1)
+        let graph_shape = (allow_graph
+            && self.graph_error.is_none()
+            && uniform
+            && t <= MAX_GRAPH_TOKENS
+            && lg >= 1)
             .then(|| (batch_bucket(inputs.len(), self.opts.max_sequences), t, lg));
 
         // Blocks for the new positions (all or nothing).
@@ -850,17 +862,16 @@ impl GpuTransformer {
             Some(key) => {
                 // Run it directly (this is the step's result), then capture the same launches.
                 self.encode(rows_total, logits_total)?;
-                s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                    .map_err(gpu)?;
-                let recorded = self.encode(rows_total, logits_total);
-                let graph = s.end_capture(sys::CUgraphInstantiate_flags(0));
-                recorded?;
-                let graph = graph.map_err(gpu)?.ok_or_else(|| {
-                    ModelError::Gpu("CUDA graph capture produced no graph".into())
-                })?;
-                graph.upload().map_err(gpu)?;
-                self.graphs.insert(key, graph);
-                StepPath::Captured
+                match self.capture(rows_total, logits_total) {
+                    Ok(graph) => {
+                        self.graphs.insert(key, graph);
+                        StepPath::Captured
+                    }
+                    Err(e) => {
+                        self.graph_error = Some(e.to_string());
+                        StepPath::Direct
+                    }
+                }
             }
             None => {
                 self.encode(rows_total, logits_total)?;
@@ -871,6 +882,21 @@ impl GpuTransformer {
             self.seqs[inp.seq].as_mut().expect("checked").len = start + inp.tokens.len();
         }
         Ok((n_logits, path))
+    }
+
+    /// Captures `encode(rows, n_logits)` into a graph (nothing runs during capture).
+    fn capture(&mut self, rows: usize, n_logits: usize) -> Result<CudaGraph, ModelError> {
+        let s = self.device.stream.clone();
+        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(gpu)?;
+        let recorded = self.encode(rows, n_logits);
+        let graph = s.end_capture(sys::CUgraphInstantiate_flags(0));
+        recorded?;
+        let graph = graph
+            .map_err(gpu)?
+            .ok_or_else(|| ModelError::Gpu("CUDA graph capture produced no graph".into()))?;
+        graph.upload().map_err(gpu)?;
+        Ok(graph)
     }
 
     /// Launches one forward over `rows` packed input rows with logits for `n_logits` of them. Reads
