@@ -11,7 +11,9 @@ parts=${1:-check,l1,qwen,l8,hf}
 libs=$(python3 -c "import nvidia, glob, os; print(':'.join(sorted({os.path.dirname(p) for b in nvidia.__path__ for p in glob.glob(os.path.join(b, '**', 'lib*.so*'), recursive=True)})))" 2>/dev/null)
 export LD_LIBRARY_PATH="${libs}:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PYTHONUNBUFFERED=1
-bin=.carry/bin
+# Binaries and the peer script: where the device copy has them (a helper's files travel in a carried folder).
+bin=${SPECULA_BIN:-.carry/bin}
+hf_script=${HF_STEP_SCRIPT:-experiments/peers/hf_step.py}
 {
   date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv
   has() { [[ ",$parts," == *",$1,"* ]]; }
@@ -19,7 +21,7 @@ bin=.carry/bin
   if has l1; then echo "== bench llama3.2-1b"; $bin/specula bench step --random-weights llama3.2-1b --out "$out"; fi
   if has qwen; then echo "== bench qwen2.5-coder-1.5b"; $bin/specula bench step --random-weights qwen2.5-coder-1.5b --out "$out"; fi
   if has l8; then echo "== bench llama3.1-8b"; $bin/specula bench step --random-weights llama3.1-8b --steps 32 --out "$out"; fi
-  if has hf; then echo "== HF peer llama3.2-1b"; timeout 300 python3 experiments/peers/hf_step.py --shape llama3.2-1b --out "$out" --specula-json "$out/step_bench_llama3.2-1b.json"; fi
+  if has hf; then echo "== HF peer llama3.2-1b"; timeout 300 python3 "$hf_script" --shape llama3.2-1b --out "$out" --specula-json "$out/step_bench_llama3.2-1b.json"; fi
   date -u
 } 2>&1 | tee "$OUT/log.txt"
 tar -czf "$OUT/results.tar.gz" -C "$out" . && rm -rf "$out"

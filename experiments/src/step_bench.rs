@@ -55,8 +55,9 @@ pub struct LinearChoiceRow {
     pub cols: usize,
     pub tokens: usize,
     pub cublas_us: f64,
-    pub skinny_us: f64,
-    pub backend: &'static str,
+    /// (K splits, median us) of the skinny kernel.
+    pub skinny_us: Vec<(u32, f64)>,
+    pub backend: String,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -191,7 +192,7 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
                 cols: c.cols,
                 tokens: c.tokens,
                 cublas_us: c.cublas_us,
-                skinny_us: c.skinny_us,
+                skinny_us: c.skinny_us.clone(),
                 backend: c.backend.name(),
             });
         }
@@ -422,11 +423,21 @@ graph replay = CUDA events around replays alone; floor = (weight bytes + KV byte
         ));
     }
     if !r.linear_choices.is_empty() {
-        md.push_str("\nLinear layers (CUDA events, median of 20, weights L2-warm for the small ones): backend chosen per shape\n\n| rows x cols | activation rows | cuBLAS us | skinny us | chosen |\n|---|---:|---:|---:|---|\n");
+        md.push_str("\nLinear layers (CUDA events, median of 20 back-to-back launches on one weight, so the small ones are L2-warm): backend chosen per shape\n\n| rows x cols | activation rows | cuBLAS us | skinny us by K splits | chosen |\n|---|---:|---:|---|---|\n");
         for c in &r.linear_choices {
+            let skinny: Vec<String> = c
+                .skinny_us
+                .iter()
+                .map(|(s, us)| format!("{s}: {us:.1}"))
+                .collect();
             md.push_str(&format!(
-                "| {} x {} | {} | {:.1} | {:.1} | {} |\n",
-                c.rows, c.cols, c.tokens, c.cublas_us, c.skinny_us, c.backend
+                "| {} x {} | {} | {:.1} | {} | {} |\n",
+                c.rows,
+                c.cols,
+                c.tokens,
+                c.cublas_us,
+                skinny.join(", "),
+                c.backend
             ));
         }
     }

@@ -288,73 +288,101 @@ extern "C" __global__ void rope_kv_append(float* qkv, int row_stride, int n_head
     }
 }
 
-// Causal GQA attention over the paged cache, one warp per (row, q head), online softmax over chunks
-// of 32 keys (lane j scores key j of the chunk; every lane accumulates head_dim / 32 output dims), so
-// neither shared memory nor the launch depends on the context length: a captured graph stays valid as
-// sequences grow. Output bf16 (the O projection's input). Grid: (rows, ceil(n_heads / 4)), block 128.
-// head_dim must be a multiple of 32 and at most 256.
-extern "C" __global__ void attention_warp(const float* qkv, int row_stride, int n_heads, int n_kv_heads,
-                                          int head_dim, const int* positions, const int* block_table_of_row,
-                                          int max_blocks, const int* block_tables, int block_size,
-                                          const float* k_cache, const float* v_cache, unsigned short* out,
-                                          float scale) {
-    __shared__ __align__(16) float q_s[4][256];
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int row = blockIdx.x, head = blockIdx.y * 4 + warp;
-    if (head >= n_heads) return;
-    int kvh = head / (n_heads / n_kv_heads);
-    int kv_dim = n_kv_heads * head_dim;
-    const float* q = qkv + (size_t)row * row_stride + head * head_dim;
-    for (int c = lane; c < head_dim; c += 32) q_s[warp][c] = q[c] * scale;
-    __syncwarp();
+// Causal GQA attention over the paged cache for decode/verify rows: one block of 256 threads per
+// (row, kv head) serves the whole group of G = n_heads / n_kv_heads query heads, so each key and value
+// is read once for all G heads, and the work is spread over the keys (a first version, one warp per
+// query head walking the keys serially, was a chain of dependent loads: ~80 us per layer at 200 keys).
+// Phase 1: thread j scores key j (all G heads) and keeps its cache slot; phase 2: one warp per head
+// takes the softmax; phase 3: thread (c = t % head_dim, part = t / head_dim) sums p * v over every
+// (256 / head_dim)-th key for dim c, and the parts are added in shared memory in a fixed order.
+// Dynamic shared memory: (G * head_dim + G * max_keys + max_keys + 256 * G + 8) floats, sized at
+// launch from the model's max_keys, so the launch does not depend on the current context length.
+// Requires G <= 8, head_dim a multiple of 32 and at most 256. Grid: (rows, n_kv_heads), block 256.
+#define SPECULA_ATTN_THREADS 256
+extern "C" __global__ void __launch_bounds__(SPECULA_ATTN_THREADS)
+attention_gqa(const float* qkv, int row_stride, int n_heads, int n_kv_heads, int head_dim,
+              const int* positions, const int* block_table_of_row, int max_blocks, const int* block_tables,
+              int block_size, const float* k_cache, const float* v_cache, unsigned short* out, float scale,
+              int max_keys) {
+    extern __shared__ __align__(16) float smem[];
+    const int G = n_heads / n_kv_heads;
+    float* q_s = smem;                       // [G][head_dim], pre-scaled
+    float* p_s = q_s + G * head_dim;         // [G][max_keys] scores, then probabilities
+    int* slot_s = (int*)(p_s + G * max_keys);  // [max_keys]
+    float* part_s = (float*)(slot_s + max_keys);  // [256 / head_dim][G][head_dim]
+    float* inv_s = part_s + SPECULA_ATTN_THREADS * G;  // [G]
+    const int row = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x;
+    const int kv_dim = n_kv_heads * head_dim;
+    const float* q = qkv + (size_t)row * row_stride + (size_t)kvh * G * head_dim;
+    for (int i = tid; i < G * head_dim; i += SPECULA_ATTN_THREADS) q_s[i] = q[i] * scale;
+    __syncthreads();
     const int* table = block_tables + (size_t)block_table_of_row[row] * max_blocks;
-    int n_keys = positions[row] + 1;
-    float m = SPECULA_NEG_INF, l = 0.0f;
+    const int n_keys = positions[row] + 1;
+    const int d4 = head_dim / 4;
+    for (int j = tid; j < n_keys; j += SPECULA_ATTN_THREADS) {
+        int slot = table[j / block_size] * block_size + j % block_size;
+        slot_s[j] = slot;
+        const float4* k4 = (const float4*)(k_cache + (size_t)slot * kv_dim + kvh * head_dim);
+        float d[8];
+#pragma unroll
+        for (int g = 0; g < 8; ++g) d[g] = 0.0f;
+#pragma unroll 8
+        for (int c = 0; c < d4; ++c) {
+            float4 kk = k4[c];
+#pragma unroll
+            for (int g = 0; g < 8; ++g) {
+                if (g < G) {
+                    float4 qq = ((const float4*)(q_s + g * head_dim))[c];
+                    d[g] += qq.x * kk.x + qq.y * kk.y + qq.z * kk.z + qq.w * kk.w;
+                }
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < 8; ++g)
+            if (g < G) p_s[g * max_keys + j] = d[g];
+    }
+    __syncthreads();
+    const int warp = tid >> 5, lane = tid & 31;
+    for (int g = warp; g < G; g += SPECULA_ATTN_THREADS / 32) {
+        float* p = p_s + g * max_keys;
+        float m = SPECULA_NEG_INF;
+        for (int j = lane; j < n_keys; j += 32) m = fmaxf(m, p[j]);
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        float sum = 0.0f;
+        for (int j = lane; j < n_keys; j += 32) {
+            float e = expf(p[j] - m);
+            p[j] = e;
+            sum += e;
+        }
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (lane == 0) inv_s[g] = 1.0f / sum;
+    }
+    __syncthreads();
+    const int parts = SPECULA_ATTN_THREADS / head_dim;
+    const int c = tid % head_dim, part = tid / head_dim;
     float acc[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-    int dims_per_lane = head_dim / 32;
-    for (int j0 = 0; j0 < n_keys; j0 += 32) {
-        int j = j0 + lane;
-        float s = SPECULA_NEG_INF;
-        size_t slot = 0;
-        if (j < n_keys) {
-            slot = (size_t)table[j / block_size] * block_size + j % block_size;
-            const float4* k4 = (const float4*)(k_cache + slot * kv_dim + kvh * head_dim);
-            const float4* q4 = (const float4*)q_s[warp];
-            float d = 0.0f;
-            for (int c = 0; c < head_dim / 4; ++c) {
-                float4 kk = k4[c], qq = q4[c];
-                d += qq.x * kk.x + qq.y * kk.y + qq.z * kk.z + qq.w * kk.w;
-            }
-            s = d;
-        }
-        float cm = s;
-        for (int o = 16; o > 0; o >>= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, o));
-        float new_m = fmaxf(m, cm);
-        float p = (j < n_keys) ? expf(s - new_m) : 0.0f;
-        float corr = expf(m - new_m);
-        float ps = p;
-        for (int o = 16; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
-        l = l * corr + ps;
+    for (int g = 0; g < 8; ++g) acc[g] = 0.0f;
+    if (part < parts) {
+        const float* vbase = v_cache + kvh * head_dim + c;
+#pragma unroll 8
+        for (int j = part; j < n_keys; j += parts) {
+            float v = vbase[(size_t)slot_s[j] * kv_dim];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] *= corr;
-        int chunk = n_keys - j0 < 32 ? n_keys - j0 : 32;
-        for (int kk = 0; kk < chunk; ++kk) {
-            float pk = __shfl_sync(0xffffffffu, p, kk);
-            unsigned long long sk = __shfl_sync(0xffffffffu, (unsigned long long)slot, kk);
-            const float* v = v_cache + sk * kv_dim + kvh * head_dim;
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-                if (i < dims_per_lane) acc[i] += pk * v[lane + 32 * i];
+            for (int g = 0; g < 8; ++g)
+                if (g < G) acc[g] += p_s[g * max_keys + j] * v;
         }
-        m = new_m;
+#pragma unroll
+        for (int g = 0; g < 8; ++g)
+            if (g < G) part_s[(part * G + g) * head_dim + c] = acc[g];
     }
-    float inv = 1.0f / l;
-    unsigned short* o = out + (size_t)row * n_heads * head_dim + head * head_dim;
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-        if (i < dims_per_lane) o[lane + 32 * i] = f32_to_bf16(acc[i] * inv);
+    __syncthreads();
+    for (int i = tid; i < G * head_dim; i += SPECULA_ATTN_THREADS) {
+        int g = i / head_dim, cc = i % head_dim;
+        float s = 0.0f;
+        for (int pp = 0; pp < parts; ++pp) s += part_s[(pp * G + g) * head_dim + cc];
+        out[(size_t)row * n_heads * head_dim + (size_t)(kvh * G + g) * head_dim + cc] = f32_to_bf16(s * inv_s[g]);
+    }
 }
 
 // out[row, i] = silu(gate) * up as bf16 (the down projection's input).
@@ -377,7 +405,11 @@ extern "C" __global__ void swiglu_bf16(const float* gate_up, unsigned short* out
 // weight rows g and g+8 and of activation rows g (+8, +16, ...): since a dot product may permute k
 // freely as long as both operands use the same permutation, these vector loads feed the m16n8k16
 // fragments directly (first MMA: elements 0-3, second: 4-7). Partial sums of the 8 warps are added in
-// shared memory in a fixed order (deterministic). Requires K % 32 == 0. Grid: ceil(N / 16), block 256.
+// shared memory in a fixed order. With `splits` > 1 (grid.y), block y takes the y-th slice of the K
+// chunks and adds its sums into `out` with atomicAdd (out must hold zeros or the residual): more blocks
+// in flight for the narrow matrices (N = hidden size) whose 16-row blocks alone cannot fill the GPU;
+// the order of those additions varies from run to run (~1e-7 relative). Requires K % 32 == 0.
+// Grid: (ceil(N / 16), splits), block 256.
 __device__ __forceinline__ uint4 load_stream_16(const unsigned short* p) {
     uint4 r;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
@@ -404,7 +436,7 @@ __device__ __forceinline__ void mma_bf16_16816(float* c, unsigned int a0, unsign
 
 template <int NT, int U>
 __device__ __forceinline__ void skinny_linear(const unsigned short* w, const unsigned short* x, float* out, int N,
-                                              int K, int M, int accumulate) {
+                                              int K, int M, int accumulate, int splits) {
     __shared__ float red[8][8 * NT][16];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int g = lane >> 2, t = lane & 3;
@@ -415,8 +447,10 @@ __device__ __forceinline__ void skinny_linear(const unsigned short* w, const uns
     for (int i = 0; i < NT; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.0f;
     uint4 zero;
     zero.x = zero.y = zero.z = zero.w = 0u;
-    int nchunks = K / 32;
-    for (int base = warp; base < nchunks; base += 8 * U) {
+    int total_chunks = K / 32;
+    int first = (int)(((long long)total_chunks * blockIdx.y) / splits);
+    int nchunks = (int)(((long long)total_chunks * (blockIdx.y + 1)) / splits);
+    for (int base = first + warp; base < nchunks; base += 8 * U) {
         uint4 a_lo[U], a_hi[U], b[U][NT];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -457,23 +491,31 @@ __device__ __forceinline__ void skinny_linear(const unsigned short* w, const uns
 #pragma unroll
         for (int ww = 0; ww < 8; ++ww) s += red[ww][m][r];
         float* dst = out + (size_t)m * N + n;
-        *dst = accumulate ? *dst + s : s;
+        if (splits > 1) {
+            atomicAdd(dst, s);
+        } else {
+            *dst = accumulate ? *dst + s : s;
+        }
     }
 }
 
 extern "C" __global__ void __launch_bounds__(256) skinny_linear_m8(const unsigned short* w, const unsigned short* x,
-                                                                   float* out, int N, int K, int M, int acc) {
-    skinny_linear<1, 4>(w, x, out, N, K, M, acc);
+                                                                   float* out, int N, int K, int M, int acc,
+                                                                   int splits) {
+    skinny_linear<1, 4>(w, x, out, N, K, M, acc, splits);
 }
 extern "C" __global__ void __launch_bounds__(256) skinny_linear_m16(const unsigned short* w, const unsigned short* x,
-                                                                    float* out, int N, int K, int M, int acc) {
-    skinny_linear<2, 4>(w, x, out, N, K, M, acc);
+                                                                    float* out, int N, int K, int M, int acc,
+                                                                   int splits) {
+    skinny_linear<2, 4>(w, x, out, N, K, M, acc, splits);
 }
 extern "C" __global__ void __launch_bounds__(256) skinny_linear_m32(const unsigned short* w, const unsigned short* x,
-                                                                    float* out, int N, int K, int M, int acc) {
-    skinny_linear<4, 2>(w, x, out, N, K, M, acc);
+                                                                    float* out, int N, int K, int M, int acc,
+                                                                   int splits) {
+    skinny_linear<4, 2>(w, x, out, N, K, M, acc, splits);
 }
 extern "C" __global__ void __launch_bounds__(256) skinny_linear_m64(const unsigned short* w, const unsigned short* x,
-                                                                    float* out, int N, int K, int M, int acc) {
-    skinny_linear<8, 2>(w, x, out, N, K, M, acc);
+                                                                    float* out, int N, int K, int M, int acc,
+                                                                   int splits) {
+    skinny_linear<8, 2>(w, x, out, N, K, M, acc, splits);
 }

@@ -174,6 +174,8 @@ pub struct GpuTransformer {
     opts: GpuOptions,
     /// Blocks a sequence may hold (`max_positions / GPU_BLOCK_SIZE`, rounded up).
     max_blocks: usize,
+    /// Dynamic shared memory of the attention kernel.
+    attention_smem: usize,
     /// The block padded rows write to (never part of a sequence).
     trash_block: u32,
     free_blocks: Vec<u32>,
@@ -249,9 +251,10 @@ impl GpuTransformer {
     ) -> Result<GpuTransformer, ModelError> {
         config.validate()?;
         let c = config.clone();
-        if c.head_dim % 32 != 0 || c.head_dim > 256 {
+        let group = c.num_heads / c.num_kv_heads;
+        if c.head_dim % 32 != 0 || c.head_dim > 256 || group > 8 {
             return Err(ModelError::Gpu(format!(
-                "the GPU attention kernel needs head_dim a multiple of 32 and at most 256, got {}; use the CPU backend",
+                "the GPU attention kernel needs head_dim a multiple of 32 and at most 256 and at most 8 query heads per KV head, got head_dim {} and {group}; use the CPU backend",
                 c.head_dim
             )));
         }
@@ -275,13 +278,33 @@ impl GpuTransformer {
             head_rms_norm: f("head_rms_norm")?,
             add_bias_rows: f("add_bias_rows")?,
             rope_kv_append: f("rope_kv_append")?,
-            attention: f("attention_warp")?,
+            attention: f("attention_gqa")?,
             swiglu_bf16: f("swiglu_bf16")?,
             argmax_rows: f("argmax_rows")?,
         };
         let (h, qd, kvd, ffn) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
         let width = qd + 2 * kvd;
         let max_blocks = opts.max_positions.div_ceil(GPU_BLOCK_SIZE);
+        // attention_gqa's shared memory (see decoder.cu), fixed by the largest context.
+        let max_keys = max_blocks * GPU_BLOCK_SIZE;
+        let attention_smem =
+            4 * (group * c.head_dim + group * max_keys + max_keys + 256 * group + 8);
+        let smem_limit = device
+            .ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(gpu)? as usize;
+        if attention_smem > smem_limit {
+            return Err(ModelError::InvalidRequest(format!(
+                "GPU attention for {} positions per sequence needs {attention_smem} bytes of shared memory, over the device's {smem_limit}: lower max_positions",
+                opts.max_positions
+            )));
+        }
+        k.attention
+            .set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                attention_smem as i32,
+            )
+            .map_err(gpu)?;
         let num_blocks = opts.max_sequences * max_blocks;
         // One more block: the trash block padded rows write to.
         let cache_len = (num_blocks + 1) * GPU_BLOCK_SIZE * kvd;
@@ -482,6 +505,7 @@ impl GpuTransformer {
             lm_head,
             inv_freq,
             max_blocks,
+            attention_smem,
             trash_block: num_blocks as u32,
             // Popped from the end: hand out low block numbers first.
             free_blocks: (0..num_blocks as u32).rev().collect(),
@@ -606,8 +630,10 @@ impl GpuTransformer {
             let (n, _) = self.run(inputs, true)?;
             let mut out = vec![0f32; n * vocab];
             let s = self.device.stream.clone();
-            s.memcpy_dtoh(&self.buf.logits.slice(..n * vocab), &mut out)
-                .map_err(gpu)?;
+            if n > 0 {
+                s.memcpy_dtoh(&self.buf.logits.slice(..n * vocab), &mut out)
+                    .map_err(gpu)?;
+            }
             s.synchronize().map_err(gpu)?;
             let mut starts = Vec::with_capacity(inputs.len());
             let mut acc = 0;
@@ -924,6 +950,7 @@ impl GpuTransformer {
             GPU_BLOCK_SIZE as i32,
         );
         let (rows_i, ffn_i, qd_i) = (rows as i32, ffn as i32, qd as i32);
+        let max_keys_i = (self.max_blocks * GPU_BLOCK_SIZE) as i32;
         let scale = 1.0 / (hd as f32).sqrt();
         let null_rows: u64 = 0;
         let tokens = buf.inputs.slice(lay.tokens..lay.tokens + rows);
@@ -1005,9 +1032,14 @@ impl GpuTransformer {
                     .arg(&l.k_cache)
                     .arg(&l.v_cache)
                     .arg(&mut buf.act16)
-                    .arg(&scale);
-                b.launch(grid_cfg(rows, c.num_heads.div_ceil(4), 128))
-                    .map_err(gpu)?;
+                    .arg(&scale)
+                    .arg(&max_keys_i);
+                let cfg = LaunchConfig {
+                    grid_dim: (rows as u32, c.num_kv_heads as u32, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: self.attention_smem as u32,
+                };
+                b.launch(cfg).map_err(gpu)?;
             }
             // O projection added onto the residual stream.
             gemm.linear_acc(&l.wo, &buf.act16, &mut buf.x, h, qd, rows, true)
@@ -1041,7 +1073,11 @@ impl GpuTransformer {
             gemm.linear_acc(&l.w_down, &buf.act16, &mut buf.x, h, ffn, rows, true)
                 .map_err(blas)?;
         }
-        // Final norm of the logits rows only, LM head, greedy ids.
+        // Final norm of the logits rows only, LM head, greedy ids (none for a prefill chunk that
+        // needs no logits).
+        if n_logits == 0 {
+            return Ok(());
+        }
         unsafe {
             let mut b = s.launch_builder(&k.rms_norm_bf16);
             b.arg(&buf.x)

@@ -26,19 +26,25 @@ pub const SKINNY_MAX_ROWS: usize = 64;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum LinearBackend {
     Cublas,
-    Skinny,
+    /// The skinny kernel with K split over `splits` blocks per 16 output rows (1 = no split).
+    Skinny { splits: u32 },
 }
 
 impl LinearBackend {
-    pub fn name(self) -> &'static str {
+    pub fn name(self) -> String {
         match self {
-            LinearBackend::Cublas => "cublas",
-            LinearBackend::Skinny => "skinny",
+            LinearBackend::Cublas => "cublas".into(),
+            LinearBackend::Skinny { splits: 1 } => "skinny".into(),
+            LinearBackend::Skinny { splits } => format!("skinny split-K {splits}"),
         }
     }
 }
 
-/// One tuning measurement: median times of both backends for a shape and the choice made.
+/// K splits the tuner tries for the skinny kernel.
+const SPLITS: [u32; 4] = [1, 2, 4, 8];
+
+/// One tuning measurement: median times of cuBLAS and of the skinny kernel per K split for a shape,
+/// and the choice made.
 #[derive(Debug, Clone)]
 pub struct LinearChoice {
     pub rows: usize,
@@ -46,7 +52,8 @@ pub struct LinearChoice {
     /// Activation rows timed (the bucket's upper end: 8, 16, 32 or 64).
     pub tokens: usize,
     pub cublas_us: f64,
-    pub skinny_us: f64,
+    /// (splits, median us) for each split tried.
+    pub skinny_us: Vec<(u32, f64)>,
     pub backend: LinearBackend,
 }
 
@@ -119,7 +126,7 @@ impl Gemm {
             Some((_, bucket)) if Self::skinny_fits(cols, n) => *self
                 .choices
                 .get(&(rows, cols, bucket))
-                .unwrap_or(&LinearBackend::Skinny),
+                .unwrap_or(&LinearBackend::Skinny { splits: 1 }),
             _ => LinearBackend::Cublas,
         }
     }
@@ -177,7 +184,7 @@ impl Gemm {
         }
         match backend {
             LinearBackend::Cublas => self.cublas(w, x, out, rows, cols, n, accumulate),
-            LinearBackend::Skinny => {
+            LinearBackend::Skinny { splits } => {
                 let (kernel, _) = skinny_bucket(n)
                     .filter(|_| cols.is_multiple_of(32))
                     .ok_or_else(|| {
@@ -185,11 +192,22 @@ impl Gemm {
                             "skinny linear needs 1..={SKINNY_MAX_ROWS} rows and cols % 32 == 0, got {n} rows, {cols} cols"
                         ))
                     })?;
-                let (r, c, m, acc) = (rows as i32, cols as i32, n as i32, accumulate as i32);
+                let splits = splits.clamp(1, (cols / 32) as u32);
+                if splits > 1 && !accumulate {
+                    // Split blocks add into the output: start from zeros.
+                    self.stream.memset_zeros(&mut out.slice_mut(..n * rows))?;
+                }
+                let (r, c, m, acc, sp) = (
+                    rows as i32,
+                    cols as i32,
+                    n as i32,
+                    accumulate as i32,
+                    splits as i32,
+                );
                 let mut b = self.stream.launch_builder(&self.skinny[kernel]);
-                b.arg(w).arg(x).arg(out).arg(&r).arg(&c).arg(&m).arg(&acc);
+                b.arg(w).arg(x).arg(out).arg(&r).arg(&c).arg(&m).arg(&acc).arg(&sp);
                 let cfg = LaunchConfig {
-                    grid_dim: (rows.div_ceil(16) as u32, 1, 1),
+                    grid_dim: (rows.div_ceil(16) as u32, splits, 1),
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: 0,
                 };
@@ -289,12 +307,18 @@ impl Gemm {
                 Ok(median(samples))
             };
             let cublas_us = time(LinearBackend::Cublas)?;
-            let skinny_us = time(LinearBackend::Skinny)?;
-            let backend = if skinny_us <= cublas_us {
-                LinearBackend::Skinny
-            } else {
-                LinearBackend::Cublas
-            };
+            let mut skinny_us = Vec::new();
+            let (mut backend, mut best) = (LinearBackend::Cublas, cublas_us);
+            for splits in SPLITS {
+                if splits as usize > cols / 32 {
+                    continue;
+                }
+                let us = time(LinearBackend::Skinny { splits })?;
+                skinny_us.push((splits, us));
+                if us < best {
+                    (backend, best) = (LinearBackend::Skinny { splits }, us);
+                }
+            }
             let bucket = skinny_bucket(n).map_or(n, |(_, b)| b);
             self.choices.insert((rows, cols, bucket), backend);
             out.push(LinearChoice {

@@ -5,7 +5,7 @@
 //! the fallback.
 
 mod gemm;
-pub use gemm::{Gemm, LinearBackend, LinearChoice};
+pub use gemm::{Gemm, LinearBackend, LinearChoice, SKINNY_MAX_ROWS};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
@@ -32,7 +32,7 @@ pub const DECODER_KERNELS: &[&str] = &[
     "fill_random_f32",
     "rms_norm_bf16",
     "rope_kv_append",
-    "attention_warp",
+    "attention_gqa",
     "swiglu_bf16",
     "skinny_linear_m8",
     "skinny_linear_m16",
