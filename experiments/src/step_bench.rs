@@ -142,7 +142,8 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
     let max_b = cfg.batches.iter().copied().max().unwrap_or(1);
     let max_t = cfg.tokens_per_seq.iter().copied().max().unwrap_or(1);
     anyhow::ensure!(
-        cfg.batches.iter().all(|&b| b >= 1) && cfg.tokens_per_seq.iter().all(|&t| (1..=16).contains(&t)),
+        cfg.batches.iter().all(|&b| b >= 1)
+            && cfg.tokens_per_seq.iter().all(|&t| (1..=16).contains(&t)),
         "batches must be >= 1 and tokens per sequence in 1..=16"
     );
     // Positions: the prompt, the committed tokens (at most T per step) and one verify block on top.
@@ -213,7 +214,8 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
         for &b in &cfg.batches {
             let mut samples = Vec::new();
             let mut run_medians = Vec::new();
-            let (mut ctx_sum, mut kv_sum, mut committed_sum, mut n_steps) = (0f64, 0f64, 0f64, 0usize);
+            let (mut ctx_sum, mut kv_sum, mut committed_sum, mut n_steps) =
+                (0f64, 0f64, 0f64, 0usize);
             let mut replay = None;
             let mut direct_ms = f64::NAN;
             // One untimed group first: captures the graph of this shape.
@@ -223,18 +225,28 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
                 for group in 0..groups {
                     let timed = run > 0;
                     let steps = if timed { cfg.steps } else { 4 };
-                    let seqs: Vec<usize> = (0..b).map(|_| gpu.add_sequence()).collect::<Result<_, _>>()?;
+                    let seqs: Vec<usize> = (0..b)
+                        .map(|_| gpu.add_sequence())
+                        .collect::<Result<_, _>>()?;
                     let prompts: Vec<Vec<u32>> = (0..b)
-                        .map(|_| (0..cfg.context).map(|_| rng.random_range(0..vocab)).collect())
+                        .map(|_| {
+                            (0..cfg.context)
+                                .map(|_| rng.random_range(0..vocab))
+                                .collect()
+                        })
                         .collect();
                     let inputs: Vec<GpuSeqInput> = seqs
                         .iter()
                         .zip(&prompts)
-                        .map(|(&seq, p)| GpuSeqInput { seq, tokens: p, num_logits: 1 })
+                        .map(|(&seq, p)| GpuSeqInput {
+                            seq,
+                            tokens: p,
+                            num_logits: 1,
+                        })
                         .collect();
                     let out = gpu.forward(&inputs)?;
                     let mut pending: Vec<u32> = (0..b)
-                        .map(|i| specula_kernels::sampling::argmax(out.row(i, 0)).map(|x| x as u32))
+                        .map(|i| specula_kernels::sampling::argmax(out.row(i, 0)))
                         .collect::<Result<_, _>>()?;
                     for _ in 0..steps {
                         let blocks: Vec<Vec<u32>> = pending
@@ -245,11 +257,18 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
                                     .collect()
                             })
                             .collect();
-                        let starts: Vec<usize> = seqs.iter().map(|&s| gpu.seq_len(s)).collect::<Result<_, _>>()?;
+                        let starts: Vec<usize> = seqs
+                            .iter()
+                            .map(|&s| gpu.seq_len(s))
+                            .collect::<Result<_, _>>()?;
                         let inputs: Vec<GpuSeqInput> = seqs
                             .iter()
                             .zip(&blocks)
-                            .map(|(&seq, blk)| GpuSeqInput { seq, tokens: blk, num_logits: t })
+                            .map(|(&seq, blk)| GpuSeqInput {
+                                seq,
+                                tokens: blk,
+                                num_logits: t,
+                            })
                             .collect();
                         let t_step = Instant::now();
                         let ids = gpu.step_argmax(&inputs)?;
@@ -267,7 +286,9 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
                                 None => 0,
                                 Some(r) => {
                                     let mut a = 0;
-                                    while a < t - 1 && rng.random::<f64>() < r.conditional_rates()[a] {
+                                    while a < t - 1
+                                        && rng.random::<f64>() < r.conditional_rates()[a]
+                                    {
                                         a += 1;
                                     }
                                     a
@@ -286,15 +307,26 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
                             .time_graph_replays(b, t, t, cfg.replay_reps)?
                             .map(sorted);
                         // The same step without the graph, repeated and rolled back each time.
-                        let starts: Vec<usize> = seqs.iter().map(|&s| gpu.seq_len(s)).collect::<Result<_, _>>()?;
+                        let starts: Vec<usize> = seqs
+                            .iter()
+                            .map(|&s| gpu.seq_len(s))
+                            .collect::<Result<_, _>>()?;
                         let blocks: Vec<Vec<u32>> = pending
                             .iter()
-                            .map(|&p| std::iter::once(p).chain((1..t).map(|_| rng.random_range(0..vocab))).collect())
+                            .map(|&p| {
+                                std::iter::once(p)
+                                    .chain((1..t).map(|_| rng.random_range(0..vocab)))
+                                    .collect()
+                            })
                             .collect();
                         let inputs: Vec<GpuSeqInput> = seqs
                             .iter()
                             .zip(&blocks)
-                            .map(|(&seq, blk)| GpuSeqInput { seq, tokens: blk, num_logits: t })
+                            .map(|(&seq, blk)| GpuSeqInput {
+                                seq,
+                                tokens: blk,
+                                num_logits: t,
+                            })
                             .collect();
                         let mut direct = Vec::new();
                         for _ in 0..20 {
@@ -423,7 +455,7 @@ graph replay = CUDA events around replays alone; floor = (weight bytes + KV byte
         ));
     }
     if !r.linear_choices.is_empty() {
-        md.push_str("\nLinear layers (CUDA events, median of 20 back-to-back launches on one weight, so the small ones are L2-warm): backend chosen per shape\n\n| rows x cols | activation rows | cuBLAS us | skinny us by K splits | chosen |\n|---|---:|---:|---|---|\n");
+        md.push_str("\nLinear layers (CUDA events, median of 20 launches, each on the next layer's matrix of the shape, so weights come mostly from memory as in a step): backend chosen per shape\n\n| rows x cols | activation rows | cuBLAS us | skinny us by K splits | chosen |\n|---|---:|---:|---|---|\n");
         for c in &r.linear_choices {
             let skinny: Vec<String> = c
                 .skinny_us

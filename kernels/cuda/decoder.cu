@@ -175,13 +175,16 @@ extern "C" __global__ void swiglu(const float* gate_up, float* out, int rows, in
     }
 }
 
-// Greedy token of each logits row (lowest index wins ties, as on the CPU). Grid: rows.
+// Greedy token of each logits row (lowest index wins ties, as on the CPU). Grid: rows; block: a power
+// of two up to 1024 (the step uses 1024: a 128k-entry row is then 125 loads per thread, unrolled so
+// several are in flight, instead of a thousand-long chain).
 extern "C" __global__ void argmax_rows(const float* logits, int vocab, unsigned int* out) {
-    __shared__ float best_v[SPECULA_BLOCK];
-    __shared__ int best_i[SPECULA_BLOCK];
+    __shared__ float best_v[1024];
+    __shared__ int best_i[1024];
     const float* r = logits + (size_t)blockIdx.x * vocab;
     float bv = SPECULA_NEG_INF;
     int bi = 0x7fffffff;
+#pragma unroll 8
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
         float v = r[i];
         if (v > bv) { bv = v; bi = i; }

@@ -252,7 +252,7 @@ impl GpuTransformer {
         config.validate()?;
         let c = config.clone();
         let group = c.num_heads / c.num_kv_heads;
-        if c.head_dim % 32 != 0 || c.head_dim > 256 || group > 8 {
+        if !c.head_dim.is_multiple_of(32) || c.head_dim > 256 || group > 8 {
             return Err(ModelError::Gpu(format!(
                 "the GPU attention kernel needs head_dim a multiple of 32 and at most 256 and at most 8 query heads per KV head, got head_dim {} and {group}; use the CPU backend",
                 c.head_dim
@@ -291,7 +291,9 @@ impl GpuTransformer {
             4 * (group * c.head_dim + group * max_keys + max_keys + 256 * group + 8);
         let smem_limit = device
             .ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .attribute(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
             .map_err(gpu)? as usize;
         if attention_smem > smem_limit {
             return Err(ModelError::InvalidRequest(format!(
@@ -326,8 +328,11 @@ impl GpuTransformer {
                 (Some(m), _) => s.clone_htod(&bf16_bits(m)).map_err(gpu),
                 (None, WeightSource::Random { seed }) => {
                     let mut d = s.alloc_zeros::<u16>(n).map_err(gpu)?;
-                    let (n64, tag, scale) =
-                        (n as u64, random::tensor_tag(layer, kind), random::MATRIX_SCALE);
+                    let (n64, tag, scale) = (
+                        n as u64,
+                        random::tensor_tag(layer, kind),
+                        random::MATRIX_SCALE,
+                    );
                     let mut b = s.launch_builder(&fill_bf16);
                     b.arg(&mut d).arg(&n64).arg(seed).arg(&tag).arg(&scale);
                     // SAFETY: d holds n elements; arguments in fill_random_bf16's order and types.
@@ -552,19 +557,20 @@ impl GpuTransformer {
     ) -> Result<Vec<LinearChoice>, ModelError> {
         let c = self.config.clone();
         let (h, qd, kvd, ffn) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-        let l = &self.layers[0];
+        let ls = &self.layers;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let mut out = Vec::new();
-        for (w, rows, cols) in [
-            (&l.wqkv, qd + 2 * kvd, h),
-            (&l.wo, h, qd),
-            (&l.w_gate_up, 2 * ffn, h),
-            (&l.w_down, h, ffn),
-            (head, c.vocab_size, h),
-        ] {
+        let shapes: [(Vec<&CudaSlice<u16>>, usize, usize); 5] = [
+            (ls.iter().map(|l| &l.wqkv).collect(), qd + 2 * kvd, h),
+            (ls.iter().map(|l| &l.wo).collect(), h, qd),
+            (ls.iter().map(|l| &l.w_gate_up).collect(), 2 * ffn, h),
+            (ls.iter().map(|l| &l.w_down).collect(), h, ffn),
+            (vec![head], c.vocab_size, h),
+        ];
+        for (weights, rows, cols) in &shapes {
             out.extend(
                 self.gemm
-                    .tune(w, rows, cols, tokens, reps)
+                    .tune(weights, *rows, *cols, tokens, reps)
                     .map_err(gpu)?,
             );
         }
@@ -1095,7 +1101,7 @@ impl GpuTransformer {
         unsafe {
             let mut b = s.launch_builder(&k.argmax_rows);
             b.arg(&buf.logits).arg(&vocab_i).arg(&mut buf.argmax);
-            b.launch(rows_cfg(n_logits, 128)).map_err(gpu)?;
+            b.launch(rows_cfg(n_logits, 1024)).map_err(gpu)?;
         }
         Ok(())
     }

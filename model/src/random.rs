@@ -130,7 +130,8 @@ pub fn random_transformer(config: ModelConfig, seed: u64) -> Result<Transformer,
         embed: matrix(None, TensorKind::Embed, c.vocab_size, h),
         layers,
         final_norm: norm(None, TensorKind::FinalNorm, h),
-        lm_head: (!c.tie_word_embeddings).then(|| matrix(None, TensorKind::LmHead, c.vocab_size, h)),
+        lm_head: (!c.tie_word_embeddings)
+            .then(|| matrix(None, TensorKind::LmHead, c.vocab_size, h)),
         inv_freq: c.rope_inv_freq(),
         config,
     })
@@ -144,17 +145,32 @@ mod tests {
     fn presets_parse_with_the_published_shapes() {
         let l1 = preset("llama3.2-1b").unwrap();
         assert_eq!(
-            (l1.hidden_size, l1.num_layers, l1.num_heads, l1.num_kv_heads, l1.head_dim),
+            (
+                l1.hidden_size,
+                l1.num_layers,
+                l1.num_heads,
+                l1.num_kv_heads,
+                l1.head_dim
+            ),
             (2048, 16, 32, 8, 64)
         );
         assert_eq!((l1.intermediate_size, l1.vocab_size), (8192, 128256));
         assert!(l1.tie_word_embeddings && l1.rope_scaling.is_some() && !l1.qkv_bias);
         let l8 = preset("llama3.1-8b").unwrap();
-        assert_eq!((l8.hidden_size, l8.num_layers, l8.head_dim), (4096, 32, 128));
+        assert_eq!(
+            (l8.hidden_size, l8.num_layers, l8.head_dim),
+            (4096, 32, 128)
+        );
         assert!(!l8.tie_word_embeddings);
         let q = preset("qwen2.5-coder-1.5b").unwrap();
         assert_eq!(
-            (q.hidden_size, q.num_layers, q.num_heads, q.num_kv_heads, q.head_dim),
+            (
+                q.hidden_size,
+                q.num_layers,
+                q.num_heads,
+                q.num_kv_heads,
+                q.head_dim
+            ),
             (1536, 28, 12, 2, 128)
         );
         assert!(q.qkv_bias && q.tie_word_embeddings && q.rope_scaling.is_none());

@@ -36,11 +36,10 @@ struct Tally {
 impl Tally {
     fn check(&mut self, what: &str, err: f64) {
         let ok = err.is_finite() && err <= LIMIT;
-        println!(
-            "  {what:<58} {err:.3e} {}",
-            if ok { "ok" } else { "FAIL" }
-        );
-        self.worst = self.worst.max(if err.is_finite() { err } else { f64::INFINITY });
+        println!("  {what:<58} {err:.3e} {}", if ok { "ok" } else { "FAIL" });
+        self.worst = self
+            .worst
+            .max(if err.is_finite() { err } else { f64::INFINITY });
         if !ok {
             self.failures.push(what.to_string());
         }
@@ -59,15 +58,36 @@ fn check_skinny(tally: &mut Tally, rng: &mut ChaCha8Rng) -> Result<()> {
     let dev = GpuDevice::new(0)?;
     let gemm = Gemm::new(&dev)?;
     let s = dev.stream.clone();
-    for &(rows, cols) in &[(3072usize, 2048usize), (2048, 8192), (200, 160), (4864, 1536)] {
-        let w: Vec<f32> = bf16_round(&(0..rows * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<_>>());
-        let wbits: Vec<u16> = w.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
+    for &(rows, cols) in &[
+        (3072usize, 2048usize),
+        (2048, 8192),
+        (200, 160),
+        (4864, 1536),
+    ] {
+        let w: Vec<f32> = bf16_round(
+            &(0..rows * cols)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect::<Vec<_>>(),
+        );
+        let wbits: Vec<u16> = w
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_bits())
+            .collect();
         let dw = s.clone_htod(&wbits)?;
         for &n in &[1usize, 5, 8, 16, 31, 64] {
-            let x = bf16_round(&(0..n * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<_>>());
-            let xbits: Vec<u16> = x.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+            let x = bf16_round(
+                &(0..n * cols)
+                    .map(|_| rng.random_range(-1.0f32..1.0))
+                    .collect::<Vec<_>>(),
+            );
+            let xbits: Vec<u16> = x
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect();
             let dx = s.clone_htod(&xbits)?;
-            let init: Vec<f32> = (0..n * rows).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let init: Vec<f32> = (0..n * rows)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect();
             let mut reference = vec![0f32; n * rows];
             for t in 0..n {
                 for r in 0..rows {
@@ -80,9 +100,22 @@ fn check_skinny(tally: &mut Tally, rng: &mut ChaCha8Rng) -> Result<()> {
             }
             for (splits, accumulate) in [(1u32, false), (1, true), (4, false), (4, true)] {
                 // Poison (or the accumulate base) so unwritten outputs show.
-                let base: Vec<f32> = if accumulate { init.clone() } else { vec![f32::NAN; n * rows] };
+                let base: Vec<f32> = if accumulate {
+                    init.clone()
+                } else {
+                    vec![f32::NAN; n * rows]
+                };
                 let mut dy = s.clone_htod(&base)?;
-                gemm.linear_with(LinearBackend::Skinny { splits }, &dw, &dx, &mut dy, rows, cols, n, accumulate)?;
+                gemm.linear_with(
+                    LinearBackend::Skinny { splits },
+                    &dw,
+                    &dx,
+                    &mut dy,
+                    rows,
+                    cols,
+                    n,
+                    accumulate,
+                )?;
                 let got = s.clone_dtoh(&dy)?;
                 let want: Vec<f32> = if accumulate {
                     reference.iter().zip(&init).map(|(a, b)| a + b).collect()
@@ -163,7 +196,10 @@ fn check_model(
     let prompt = random_tokens(&mut rng, 18);
     let c = cpu_logits(cpu, &mut cache, &[seq], &[&prompt], &[prompt.len()])?;
     let g = gpu_logits(&mut gpu, &[gseq], &[&prompt], &[prompt.len()])?;
-    tally.check(&format!("prompt logits ({} x {vocab})", prompt.len()), max_rel(&g, &c));
+    tally.check(
+        &format!("prompt logits ({} x {vocab})", prompt.len()),
+        max_rel(&g, &c),
+    );
     let mut last = c[(prompt.len() - 1) * vocab..].to_vec();
     let mut worst = 0f64;
     let mut diverged = None;
@@ -171,7 +207,13 @@ fn check_model(
     for i in 0..steps {
         let t = argmax(&last)? as u32;
         let c = cpu_logits(cpu, &mut cache, &[seq], &[&[t]], &[1])?;
-        let g = gpu.forward(&[GpuSeqInput { seq: gseq, tokens: &[t], num_logits: 1 }])?.logits;
+        let g = gpu
+            .forward(&[GpuSeqInput {
+                seq: gseq,
+                tokens: &[t],
+                num_logits: 1,
+            }])?
+            .logits;
         if diverged.is_none() && argmax(&g)? != argmax(&c)? {
             diverged = Some(i);
         }
@@ -204,7 +246,10 @@ fn check_model(
     let nl = [2usize, 1, 3, 1];
     let c = cpu_logits(cpu, &mut cache, &seqs, &refs, &nl)?;
     let g = gpu_logits(&mut gpu, &gseqs, &refs, &nl)?;
-    tally.check("batched prefill, prompts of 5/33/18/70 tokens", max_rel(&g, &c));
+    tally.check(
+        "batched prefill, prompts of 5/33/18/70 tokens",
+        max_rel(&g, &c),
+    );
     let blocks: Vec<Vec<u32>> = [1usize, 3, 8, 16]
         .iter()
         .map(|&n| random_tokens(&mut rng, n))
@@ -213,7 +258,10 @@ fn check_model(
     let nl: Vec<usize> = blocks.iter().map(Vec::len).collect();
     let c = cpu_logits(cpu, &mut cache, &seqs, &refs, &nl)?;
     let g = gpu_logits(&mut gpu, &gseqs, &refs, &nl)?;
-    tally.check("mixed step: 1, 3, 8, 16 new tokens, all logits", max_rel(&g, &c));
+    tally.check(
+        "mixed step: 1, 3, 8, 16 new tokens, all logits",
+        max_rel(&g, &c),
+    );
     // Verify steps of 8 tokens on three sequences (graph, bucket 4), with rollback.
     let three = [0usize, 2, 3];
     let mut worst = 0f64;
@@ -281,13 +329,18 @@ fn main() -> Result<()> {
         max_rows: 64,
     };
     for path in ["models/default/target", "models/default/draft"] {
-        let loaded = load(path.as_ref(), WeightDtype::Bf16).with_context(|| format!("loading {path}"))?;
+        let loaded =
+            load(path.as_ref(), WeightDtype::Bf16).with_context(|| format!("loading {path}"))?;
         let gpu = GpuTransformer::upload(&loaded.model, opts.clone())?;
         println!("GPU {} ({})", gpu.device.name, gpu.device.arch);
         check_model(&mut tally, path, &loaded.model, gpu, quick)?;
     }
     for (name, arch, seed) in [
-        ("random tiny llama (llama3 rope scaling, tied)", Arch::Llama, 11u64),
+        (
+            "random tiny llama (llama3 rope scaling, tied)",
+            Arch::Llama,
+            11u64,
+        ),
         ("random tiny qwen2 (qkv bias, tied)", Arch::Qwen2, 12),
         ("random tiny qwen3 (q/k norm, untied)", Arch::Qwen3, 13),
     ] {

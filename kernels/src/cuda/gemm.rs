@@ -27,7 +27,9 @@ pub const SKINNY_MAX_ROWS: usize = 64;
 pub enum LinearBackend {
     Cublas,
     /// The skinny kernel with K split over `splits` blocks per 16 output rows (1 = no split).
-    Skinny { splits: u32 },
+    Skinny {
+        splits: u32,
+    },
 }
 
 impl LinearBackend {
@@ -91,11 +93,7 @@ impl Gemm {
             let (wp, _w) = workspace.device_ptr_mut(&stream);
             // SAFETY: a live device buffer of the given size, owned by this Gemm for the handle's life.
             let status = unsafe {
-                sys::cublasSetWorkspace_v2(
-                    *blas.handle(),
-                    wp as *mut _,
-                    CUBLAS_WORKSPACE_BYTES,
-                )
+                sys::cublasSetWorkspace_v2(*blas.handle(), wp as *mut _, CUBLAS_WORKSPACE_BYTES)
             };
             if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
                 return Err(CudaError::Blas(format!("cublasSetWorkspace: {status:?}")));
@@ -205,7 +203,14 @@ impl Gemm {
                     splits as i32,
                 );
                 let mut b = self.stream.launch_builder(&self.skinny[kernel]);
-                b.arg(w).arg(x).arg(out).arg(&r).arg(&c).arg(&m).arg(&acc).arg(&sp);
+                b.arg(w)
+                    .arg(x)
+                    .arg(out)
+                    .arg(&r)
+                    .arg(&c)
+                    .arg(&m)
+                    .arg(&acc)
+                    .arg(&sp);
                 let cfg = LaunchConfig {
                     grid_dim: (rows.div_ceil(16) as u32, splits, 1),
                     block_dim: (256, 1, 1),
@@ -263,17 +268,22 @@ impl Gemm {
         .map_err(|e| CudaError::Blas(format!("{e:?}")))
     }
 
-    /// Times both backends on weight `w` (`rows x cols`) for each activation-row bucket in `tokens`
-    /// (CUDA events, median of `reps` launches after a warm-up) and remembers the faster. Must not run
-    /// during graph capture.
+    /// Times cuBLAS and the skinny kernel (each K split) on weights of shape `rows x cols` for each
+    /// activation-row bucket in `tokens` (CUDA events, median of `reps` launches after a warm-up) and
+    /// remembers the fastest. Each launch takes the next matrix of `weights` (e.g. every layer's), so
+    /// that, as in a real step, the weights mostly come from memory rather than from the L2 cache.
+    /// Must not run during graph capture.
     pub fn tune(
         &mut self,
-        w: &CudaSlice<u16>,
+        weights: &[&CudaSlice<u16>],
         rows: usize,
         cols: usize,
         tokens: &[usize],
         reps: usize,
     ) -> Result<Vec<LinearChoice>, CudaError> {
+        if weights.is_empty() {
+            return Ok(Vec::new());
+        }
         let s = self.stream.clone();
         let mut out = Vec::new();
         let max_n = tokens.iter().copied().max().unwrap_or(0);
@@ -293,12 +303,15 @@ impl Gemm {
             if !Self::skinny_fits(cols, n) {
                 continue;
             }
+            let mut next = 0usize;
             let mut time = |backend| -> Result<f64, CudaError> {
-                for _ in 0..3 {
+                for w in weights.iter().take(3) {
                     self.linear_with(backend, w, &x, &mut y, rows, cols, n, false)?;
                 }
                 let mut samples = Vec::with_capacity(reps);
                 for _ in 0..reps.max(1) {
+                    let w = weights[next % weights.len()];
+                    next += 1;
                     start.record(&s)?;
                     self.linear_with(backend, w, &x, &mut y, rows, cols, n, false)?;
                     end.record(&s)?;
