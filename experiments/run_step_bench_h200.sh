@@ -21,7 +21,7 @@ hf_script=${HF_STEP_SCRIPT:-experiments/peers/hf_step.py}
   if has l1; then echo "== bench llama3.2-1b"; $bin/specula bench step --random-weights llama3.2-1b --out "$out"; fi
   if has qwen; then echo "== bench qwen2.5-coder-1.5b"; $bin/specula bench step --random-weights qwen2.5-coder-1.5b --out "$out"; fi
   if has l8; then echo "== bench llama3.1-8b"; $bin/specula bench step --random-weights llama3.1-8b --steps 32 --out "$out"; fi
-  if has hf; then echo "== HF peer llama3.2-1b"; timeout 300 python3 "$hf_script" --shape llama3.2-1b --out "$out" --specula-json "$out/step_bench_llama3.2-1b.json"; fi
+  if has hf; then echo "== HF peer llama3.2-1b"; timeout 240 python3 "$hf_script" --shape llama3.2-1b --out "$out" --specula-json "$out/step_bench_llama3.2-1b.json"; fi
   date -u
 } 2>&1 | tee "$OUT/log.txt"
 tar -czf "$OUT/results.tar.gz" -C "$out" . && rm -rf "$out"

@@ -84,8 +84,8 @@ struct StepBenchArgs {
     /// Synthetic mean acceptance length (bonus included) of verify steps.
     #[arg(long, default_value_t = 3.78)]
     acceptance_length: f64,
-    /// Graph replays timed with CUDA events per setting.
-    #[arg(long, default_value_t = 50)]
+    /// Samples of graph-replay device time per setting (each the mean of 10 back-to-back replays).
+    #[arg(long, default_value_t = 20)]
     replay_reps: usize,
     /// Skip timing cuBLAS against the skinny kernel (then the skinny kernel serves every decode shape).
     #[arg(long)]

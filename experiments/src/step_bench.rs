@@ -419,7 +419,7 @@ fn write_report(r: &StepBenchReport) -> Result<()> {
 Prompts: seeded random token ids, {} positions of context (prefill not timed); {} runs x {} prompt groups x {} steps per setting. \
 Tokens/seq 1: plain decode. Tokens/seq T > 1: verify of k = T - 1 drafts with synthetic acceptance, mean length {} (bonus included): \
 each step commits 1 + accepted tokens and rolls the rest back. Step = host inter-token latency (inputs copy, graph replay, ids copy, sync); \
-graph replay = CUDA events around replays alone; floor = (weight bytes + KV bytes read) / copy bandwidth.\n\n",
+graph replay = device time per replay, CUDA events around 10 replays queued back to back (no host gaps), median of the replay-reps samples; floor = (weight bytes + KV bytes read) / copy bandwidth.\n\n",
         r.shape,
         r.gpu,
         r.arch,

@@ -708,16 +708,18 @@ impl GpuTransformer {
         Ok(ids)
     }
 
-    /// Replays the captured graph of a shape `reps` times and returns each replay's device time in
-    /// ms (CUDA events). The inputs are those of the last step, so the replays rewrite the same cache
-    /// slots with the same values. None when that shape has no graph yet.
+    /// Device time of one replay of the captured graph of a shape (CUDA events): `batches` samples,
+    /// each the mean over 10 replays queued back to back, so host launch gaps are hidden and the number
+    /// is the GPU's own time per step. The inputs are those of the last step, so the replays rewrite
+    /// the same cache slots with the same values. None when that shape has no graph yet.
     pub fn time_graph_replays(
         &self,
         batch: usize,
         tokens: usize,
         logits: usize,
-        reps: usize,
+        batches: usize,
     ) -> Result<Option<Vec<f64>>, ModelError> {
+        const PER_SAMPLE: usize = 10;
         let bucket = batch_bucket(batch, self.opts.max_sequences);
         let Some(graph) = self.graphs.get(&(bucket, tokens, logits)) else {
             return Ok(None);
@@ -726,12 +728,17 @@ impl GpuTransformer {
         let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
         let start = self.device.ctx.new_event(flags).map_err(gpu)?;
         let end = self.device.ctx.new_event(flags).map_err(gpu)?;
-        let mut times = Vec::with_capacity(reps);
-        for _ in 0..reps {
-            start.record(s).map_err(gpu)?;
+        for _ in 0..3 {
             graph.launch().map_err(gpu)?;
+        }
+        let mut times = Vec::with_capacity(batches);
+        for _ in 0..batches.max(1) {
+            start.record(s).map_err(gpu)?;
+            for _ in 0..PER_SAMPLE {
+                graph.launch().map_err(gpu)?;
+            }
             end.record(s).map_err(gpu)?;
-            times.push(start.elapsed_ms(&end).map_err(gpu)? as f64);
+            times.push(start.elapsed_ms(&end).map_err(gpu)? as f64 / PER_SAMPLE as f64);
         }
         Ok(Some(times))
     }
