@@ -1113,3 +1113,33 @@ impl GpuTransformer {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_pad_to_a_power_of_two_within_the_sequence_limit() {
+        assert_eq!(batch_bucket(1, 8), 1);
+        assert_eq!(batch_bucket(3, 8), 4);
+        assert_eq!(batch_bucket(8, 8), 8);
+        // A limit that is no power of two is a bucket of its own.
+        assert_eq!(batch_bucket(5, 6), 6);
+        assert_eq!(batch_bucket(6, 6), 6);
+    }
+
+    #[test]
+    fn input_sections_do_not_overlap() {
+        let l = InputLayout::new(64, 4, 10);
+        let starts = [
+            l.tokens,
+            l.positions,
+            l.slots,
+            l.row_table,
+            l.logit_rows,
+            l.block_tables,
+        ];
+        assert!(starts.windows(2).all(|w| w[1] - w[0] == 64));
+        assert_eq!(l.len, l.block_tables + 4 * 10);
+    }
+}
