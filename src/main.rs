@@ -43,6 +43,56 @@ enum Command {
     Experiment(ExperimentCommand),
     /// Serve an OpenAI-compatible HTTP API (completions, chat, streaming, metrics).
     Serve(ServeArgs),
+    /// Benchmarks on the GPU (build with `--features cuda`).
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Decode/verify step time of the GPU forward (CUDA graphs) at fixed running requests, against
+    /// the copy-bandwidth floor; writes step_bench_<shape>.json and .md into --out.
+    Step(StepBenchArgs),
+}
+
+#[derive(Args)]
+struct StepBenchArgs {
+    /// A random-weight model of a real shape: llama3.2-1b | llama3.1-8b | qwen2.5-coder-1.5b.
+    #[arg(long, conflicts_with = "model")]
+    random_weights: Option<String>,
+    /// A real checkpoint instead (HF directory or GGUF).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Running requests (held fixed during a setting).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    batches: Vec<usize>,
+    /// New tokens per sequence per step: 1 = plain decode, k + 1 = a verify block of k drafts.
+    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    tokens: Vec<usize>,
+    /// Prompt positions (seeded random token ids) prefilled before the timed steps.
+    #[arg(long, default_value_t = 128)]
+    context: usize,
+    /// Timed steps per prompt group.
+    #[arg(long, default_value_t = 64)]
+    steps: usize,
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Prompt groups per run.
+    #[arg(long, default_value_t = 4)]
+    prompts: usize,
+    /// Synthetic mean acceptance length (bonus included) of verify steps.
+    #[arg(long, default_value_t = 3.78)]
+    acceptance_length: f64,
+    /// Samples of graph-replay device time per setting (each the mean of 10 back-to-back replays).
+    #[arg(long, default_value_t = 20)]
+    replay_reps: usize,
+    /// Skip timing cuBLAS against the skinny kernel (then the skinny kernel serves every decode shape).
+    #[arg(long)]
+    no_tune: bool,
+    #[arg(long, default_value = "experiments/results/step_bench")]
+    out: PathBuf,
 }
 
 #[derive(Subcommand)]
@@ -690,5 +740,35 @@ fn main() -> Result<()> {
         Command::CheckInvariance(a) => cmd_check_invariance(a),
         Command::Experiment(e) => cmd_experiment(e),
         Command::Serve(a) => cmd_serve(a),
+        Command::Bench(BenchCommand::Step(a)) => cmd_bench_step(a),
     }
+}
+
+#[cfg(feature = "cuda")]
+fn cmd_bench_step(a: StepBenchArgs) -> Result<()> {
+    use specula_experiments::step_bench::{run_step_bench, StepBenchConfig};
+    run_step_bench(StepBenchConfig {
+        random_weights: a.random_weights,
+        model: a.model,
+        seed: a.seed,
+        batches: a.batches,
+        tokens_per_seq: a.tokens,
+        context: a.context,
+        steps: a.steps,
+        runs: a.runs,
+        prompts: a.prompts,
+        acceptance_length: a.acceptance_length,
+        replay_reps: a.replay_reps,
+        tune: !a.no_tune,
+        out_dir: a.out,
+    })?;
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cmd_bench_step(_: StepBenchArgs) -> Result<()> {
+    bail!(
+        "`specula bench step` needs the GPU backend: rebuild with `cargo build --release --features cuda`; \
+         CPU timings: `cargo run --release -p specula-experiments --bin cpu_bench`"
+    )
 }

@@ -4,6 +4,8 @@
 pub mod acceptance;
 pub mod plots;
 pub mod prompts;
+#[cfg(feature = "cuda")]
+pub mod step_bench;
 
 use serde::Serialize;
 use sha2::{Digest, Sha256};

@@ -175,13 +175,16 @@ extern "C" __global__ void swiglu(const float* gate_up, float* out, int rows, in
     }
 }
 
-// Greedy token of each logits row (lowest index wins ties, as on the CPU). Grid: rows.
+// Greedy token of each logits row (lowest index wins ties, as on the CPU). Grid: rows; block: a power
+// of two up to 1024 (the step uses 1024: a 128k-entry row is then 125 loads per thread, unrolled so
+// several are in flight, instead of a thousand-long chain).
 extern "C" __global__ void argmax_rows(const float* logits, int vocab, unsigned int* out) {
-    __shared__ float best_v[SPECULA_BLOCK];
-    __shared__ int best_i[SPECULA_BLOCK];
+    __shared__ float best_v[1024];
+    __shared__ int best_i[1024];
     const float* r = logits + (size_t)blockIdx.x * vocab;
     float bv = SPECULA_NEG_INF;
     int bi = 0x7fffffff;
+#pragma unroll 8
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
         float v = r[i];
         if (v > bv) { bv = v; bi = i; }
@@ -201,4 +204,321 @@ extern "C" __global__ void argmax_rows(const float* logits, int vocab, unsigned 
         __syncthreads();
     }
     if (threadIdx.x == 0) out[blockIdx.x] = (unsigned int)best_i[0];
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Batched decode/verify step (issue 5). Activations that feed a GEMM are written as bf16 directly by
+// the kernel that produces them (no separate conversion pass); the residual stream stays f32.
+
+// Seeded random weights (the `--random-weights` presets). Counter-based: element `i` of tensor `tag`
+// is a pure function of (seed, tag, i), so the CPU (`specula_model::random`) and this kernel produce
+// bit-identical values and the device can fill a multi-GB model in milliseconds.
+__device__ __forceinline__ float random_unit(unsigned long long seed, unsigned long long tag, unsigned long long i) {
+    unsigned long long z = seed ^ (tag * 0x9E3779B97F4A7C15ull);
+    z += i * 0xD1B54A32D192ED03ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    // Top 24 bits -> [-1, 1) exactly (no rounding), as on the CPU.
+    return __fsub_rn(__fmul_rn((float)(unsigned int)(z >> 40), 1.1920928955078125e-7f), 1.0f);
+}
+
+extern "C" __global__ void fill_random_bf16(unsigned short* out, unsigned long long n, unsigned long long seed,
+                                            unsigned long long tag, float scale) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        out[i] = f32_to_bf16(__fmul_rn(random_unit(seed, tag, i), scale));
+    }
+}
+
+extern "C" __global__ void fill_random_f32(float* out, unsigned long long n, unsigned long long seed,
+                                           unsigned long long tag, float scale, float offset) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        out[i] = __fadd_rn(offset, __fmul_rn(random_unit(seed, tag, i), scale));
+    }
+}
+
+// RMSNorm of row src_rows[blockIdx.x] (or blockIdx.x when src_rows is null) written as bf16: the input
+// of the next GEMM. Grid: output rows, block: SPECULA_BLOCK.
+extern "C" __global__ void rms_norm_bf16(const float* x, const int* src_rows, const float* weight,
+                                         unsigned short* out, int dim, float eps) {
+    __shared__ float scratch[SPECULA_BLOCK];
+    int src = src_rows ? src_rows[blockIdx.x] : blockIdx.x;
+    const float* xr = x + (size_t)src * dim;
+    unsigned short* orow = out + (size_t)blockIdx.x * dim;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
+    float total = block_sum(ss, scratch);
+    float inv = 1.0f / sqrtf(total / (float)dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) orow[i] = f32_to_bf16(weight[i] * (xr[i] * inv));
+}
+
+// RoPE on q and k and the KV-cache append in one launch. Grid: (rows, n_heads + 2 * n_kv_heads),
+// block: head_dim / 2. blockIdx.y < n_heads: rotate a q head in place; next n_kv_heads: rotate a k head
+// and store it at cache slot slots[row]; last n_kv_heads: copy a v head to the cache.
+extern "C" __global__ void rope_kv_append(float* qkv, int row_stride, int n_heads, int n_kv_heads, int head_dim,
+                                          const int* positions, const double* inv_freq, const int* slots,
+                                          float* k_cache, float* v_cache) {
+    int half = head_dim / 2;
+    int i = threadIdx.x;
+    if (i >= half) return;
+    int y = blockIdx.y;
+    int kv_dim = n_kv_heads * head_dim;
+    float* row = qkv + (size_t)blockIdx.x * row_stride;
+    size_t slot_base = (size_t)slots[blockIdx.x] * kv_dim;
+    if (y >= n_heads + n_kv_heads) {
+        int kvh = y - n_heads - n_kv_heads;
+        const float* v = row + n_heads * head_dim + kv_dim + kvh * head_dim;
+        float* dst = v_cache + slot_base + kvh * head_dim;
+        dst[i] = v[i];
+        dst[i + half] = v[i + half];
+        return;
+    }
+    float* h = row + y * head_dim;  // q heads, then k heads right after them
+    double s, c;
+    sincos((double)positions[blockIdx.x] * inv_freq[i], &s, &c);
+    float xa = h[i], xb = h[i + half];
+    float ra = xa * (float)c - xb * (float)s;
+    float rb = xb * (float)c + xa * (float)s;
+    if (y < n_heads) {
+        h[i] = ra;
+        h[i + half] = rb;
+    } else {
+        float* dst = k_cache + slot_base + (y - n_heads) * head_dim;
+        dst[i] = ra;
+        dst[i + half] = rb;
+    }
+}
+
+// Causal GQA attention over the paged cache for decode/verify rows: one block of 256 threads per
+// (row, kv head) serves the whole group of G = n_heads / n_kv_heads query heads, so each key and value
+// is read once for all G heads, and the work is spread over the keys (a first version, one warp per
+// query head walking the keys serially, was a chain of dependent loads: ~80 us per layer at 200 keys).
+// Phase 1: thread j scores key j (all G heads) and keeps its cache slot; phase 2: one warp per head
+// takes the softmax; phase 3: thread (c = t % head_dim, part = t / head_dim) sums p * v over every
+// (256 / head_dim)-th key for dim c, and the parts are added in shared memory in a fixed order.
+// Dynamic shared memory: (G * head_dim + G * max_keys + max_keys + 256 * G + 8) floats, sized at
+// launch from the model's max_keys, so the launch does not depend on the current context length.
+// Requires G <= 8, head_dim a multiple of 32 and at most 256. Grid: (rows, n_kv_heads), block 256.
+#define SPECULA_ATTN_THREADS 256
+extern "C" __global__ void __launch_bounds__(SPECULA_ATTN_THREADS)
+attention_gqa(const float* qkv, int row_stride, int n_heads, int n_kv_heads, int head_dim,
+              const int* positions, const int* block_table_of_row, int max_blocks, const int* block_tables,
+              int block_size, const float* k_cache, const float* v_cache, unsigned short* out, float scale,
+              int max_keys) {
+    extern __shared__ __align__(16) float smem[];
+    const int G = n_heads / n_kv_heads;
+    float* q_s = smem;                       // [G][head_dim], pre-scaled
+    float* p_s = q_s + G * head_dim;         // [G][max_keys] scores, then probabilities
+    int* slot_s = (int*)(p_s + G * max_keys);  // [max_keys]
+    float* part_s = (float*)(slot_s + max_keys);  // [256 / head_dim][G][head_dim]
+    float* inv_s = part_s + SPECULA_ATTN_THREADS * G;  // [G]
+    const int row = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x;
+    const int kv_dim = n_kv_heads * head_dim;
+    const float* q = qkv + (size_t)row * row_stride + (size_t)kvh * G * head_dim;
+    for (int i = tid; i < G * head_dim; i += SPECULA_ATTN_THREADS) q_s[i] = q[i] * scale;
+    __syncthreads();
+    const int* table = block_tables + (size_t)block_table_of_row[row] * max_blocks;
+    const int n_keys = positions[row] + 1;
+    const int d4 = head_dim / 4;
+    for (int j = tid; j < n_keys; j += SPECULA_ATTN_THREADS) {
+        int slot = table[j / block_size] * block_size + j % block_size;
+        slot_s[j] = slot;
+        const float4* k4 = (const float4*)(k_cache + (size_t)slot * kv_dim + kvh * head_dim);
+        float d[8];
+#pragma unroll
+        for (int g = 0; g < 8; ++g) d[g] = 0.0f;
+#pragma unroll 8
+        for (int c = 0; c < d4; ++c) {
+            float4 kk = k4[c];
+#pragma unroll
+            for (int g = 0; g < 8; ++g) {
+                if (g < G) {
+                    float4 qq = ((const float4*)(q_s + g * head_dim))[c];
+                    d[g] += qq.x * kk.x + qq.y * kk.y + qq.z * kk.z + qq.w * kk.w;
+                }
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < 8; ++g)
+            if (g < G) p_s[g * max_keys + j] = d[g];
+    }
+    __syncthreads();
+    const int warp = tid >> 5, lane = tid & 31;
+    for (int g = warp; g < G; g += SPECULA_ATTN_THREADS / 32) {
+        float* p = p_s + g * max_keys;
+        float m = SPECULA_NEG_INF;
+        for (int j = lane; j < n_keys; j += 32) m = fmaxf(m, p[j]);
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        float sum = 0.0f;
+        for (int j = lane; j < n_keys; j += 32) {
+            float e = expf(p[j] - m);
+            p[j] = e;
+            sum += e;
+        }
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (lane == 0) inv_s[g] = 1.0f / sum;
+    }
+    __syncthreads();
+    const int parts = SPECULA_ATTN_THREADS / head_dim;
+    const int c = tid % head_dim, part = tid / head_dim;
+    float acc[8];
+#pragma unroll
+    for (int g = 0; g < 8; ++g) acc[g] = 0.0f;
+    if (part < parts) {
+        const float* vbase = v_cache + kvh * head_dim + c;
+#pragma unroll 8
+        for (int j = part; j < n_keys; j += parts) {
+            float v = vbase[(size_t)slot_s[j] * kv_dim];
+#pragma unroll
+            for (int g = 0; g < 8; ++g)
+                if (g < G) acc[g] += p_s[g * max_keys + j] * v;
+        }
+#pragma unroll
+        for (int g = 0; g < 8; ++g)
+            if (g < G) part_s[(part * G + g) * head_dim + c] = acc[g];
+    }
+    __syncthreads();
+    for (int i = tid; i < G * head_dim; i += SPECULA_ATTN_THREADS) {
+        int g = i / head_dim, cc = i % head_dim;
+        float s = 0.0f;
+        for (int pp = 0; pp < parts; ++pp) s += part_s[(pp * G + g) * head_dim + cc];
+        out[(size_t)row * n_heads * head_dim + (size_t)(kvh * G + g) * head_dim + cc] = f32_to_bf16(s * inv_s[g]);
+    }
+}
+
+// out[row, i] = silu(gate) * up as bf16 (the down projection's input).
+extern "C" __global__ void swiglu_bf16(const float* gate_up, unsigned short* out, int rows, int ffn) {
+    int n = rows * ffn;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        int r = i / ffn, c = i % ffn;
+        float g = gate_up[(size_t)r * 2 * ffn + c];
+        float u = gate_up[(size_t)r * 2 * ffn + ffn + c];
+        out[i] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
+    }
+}
+
+// Skinny linear layer on the tensor cores for decode/verify shapes (M <= 64 activation rows):
+// out[m, n] (+)= sum_k w[n, k] * x[m, k], w bf16 [N, K] row-major, x bf16 [M, K], out f32 [M, N].
+// The weight rows take the MMA's 16-row side and the activation rows its 8-column side ("swap AB"),
+// so every weight element is read from memory once for all M rows. A block of 8 warps owns 16 output
+// features; warp w takes the 32-wide K chunks w, w+8, ... (the block reads 512 contiguous bytes of a
+// row per step). Inside a chunk, thread (g = lane/4, t = lane%4) loads 16 bytes at k = 32c + 8t of
+// weight rows g and g+8 and of activation rows g (+8, +16, ...): since a dot product may permute k
+// freely as long as both operands use the same permutation, these vector loads feed the m16n8k16
+// fragments directly (first MMA: elements 0-3, second: 4-7). Partial sums of the 8 warps are added in
+// shared memory in a fixed order. With `splits` > 1 (grid.y), block y takes the y-th slice of the K
+// chunks and adds its sums into `out` with atomicAdd (out must hold zeros or the residual): more blocks
+// in flight for the narrow matrices (N = hidden size) whose 16-row blocks alone cannot fill the GPU;
+// the order of those additions varies from run to run (~1e-7 relative). Requires K % 32 == 0.
+// Grid: (ceil(N / 16), splits), block 256.
+__device__ __forceinline__ uint4 load_stream_16(const unsigned short* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+// Activations: small and re-read by every block, so through the read-only cache (kept in L1).
+__device__ __forceinline__ uint4 load_cached_16(const unsigned short* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void mma_bf16_16816(float* c, unsigned int a0, unsigned int a1, unsigned int a2,
+                                               unsigned int a3, unsigned int b0, unsigned int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <int NT, int U>
+__device__ __forceinline__ void skinny_linear(const unsigned short* w, const unsigned short* x, float* out, int N,
+                                              int K, int M, int accumulate, int splits) {
+    __shared__ float red[8][8 * NT][16];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int g = lane >> 2, t = lane & 3;
+    int n0 = blockIdx.x * 16;
+    int ra = n0 + g, rb = n0 + g + 8;
+    float c[NT][4];
+#pragma unroll
+    for (int i = 0; i < NT; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.0f;
+    uint4 zero;
+    zero.x = zero.y = zero.z = zero.w = 0u;
+    int total_chunks = K / 32;
+    int first = (int)(((long long)total_chunks * blockIdx.y) / splits);
+    int nchunks = (int)(((long long)total_chunks * (blockIdx.y + 1)) / splits);
+    for (int base = first + warp; base < nchunks; base += 8 * U) {
+        uint4 a_lo[U], a_hi[U], b[U][NT];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            int ch = base + 8 * u;
+            bool ok = ch < nchunks;
+            size_t koff = (size_t)ch * 32 + t * 8;
+            a_lo[u] = (ok && ra < N) ? load_stream_16(w + (size_t)ra * K + koff) : zero;
+            a_hi[u] = (ok && rb < N) ? load_stream_16(w + (size_t)rb * K + koff) : zero;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                int m = nt * 8 + g;
+                b[u][nt] = (ok && m < M) ? load_cached_16(x + (size_t)m * K + koff) : zero;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                mma_bf16_16816(c[nt], a_lo[u].x, a_hi[u].x, a_lo[u].y, a_hi[u].y, b[u][nt].x, b[u][nt].y);
+                mma_bf16_16816(c[nt], a_lo[u].z, a_hi[u].z, a_lo[u].w, a_hi[u].w, b[u][nt].z, b[u][nt].w);
+            }
+        }
+    }
+    // Accumulator layout of m16n8: c0, c1 -> (row g, cols 2t, 2t+1); c2, c3 -> (row g+8, same cols).
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        red[warp][nt * 8 + 2 * t][g] = c[nt][0];
+        red[warp][nt * 8 + 2 * t + 1][g] = c[nt][1];
+        red[warp][nt * 8 + 2 * t][g + 8] = c[nt][2];
+        red[warp][nt * 8 + 2 * t + 1][g + 8] = c[nt][3];
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < 16 * 8 * NT; idx += blockDim.x) {
+        int m = idx / 16, r = idx % 16;
+        int n = n0 + r;
+        if (m >= M || n >= N) continue;
+        float s = 0.0f;
+#pragma unroll
+        for (int ww = 0; ww < 8; ++ww) s += red[ww][m][r];
+        float* dst = out + (size_t)m * N + n;
+        if (splits > 1) {
+            atomicAdd(dst, s);
+        } else {
+            *dst = accumulate ? *dst + s : s;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) skinny_linear_m8(const unsigned short* w, const unsigned short* x,
+                                                                   float* out, int N, int K, int M, int acc,
+                                                                   int splits) {
+    skinny_linear<1, 4>(w, x, out, N, K, M, acc, splits);
+}
+extern "C" __global__ void __launch_bounds__(256) skinny_linear_m16(const unsigned short* w, const unsigned short* x,
+                                                                    float* out, int N, int K, int M, int acc,
+                                                                   int splits) {
+    skinny_linear<2, 4>(w, x, out, N, K, M, acc, splits);
+}
+extern "C" __global__ void __launch_bounds__(256) skinny_linear_m32(const unsigned short* w, const unsigned short* x,
+                                                                    float* out, int N, int K, int M, int acc,
+                                                                   int splits) {
+    skinny_linear<4, 2>(w, x, out, N, K, M, acc, splits);
+}
+extern "C" __global__ void __launch_bounds__(256) skinny_linear_m64(const unsigned short* w, const unsigned short* x,
+                                                                    float* out, int N, int K, int M, int acc,
+                                                                   int splits) {
+    skinny_linear<8, 2>(w, x, out, N, K, M, acc, splits);
 }

@@ -1,27 +1,94 @@
-//! The decoder forward on the CUDA backend (feature `cuda`): weights uploaded once as bf16, activations
-//! f32, linear layers on cuBLAS, everything else in `kernels/cuda/decoder.cu`, KV cache f32 in paged
-//! blocks on the device. One sequence per call for now; checked against the CPU forward (the oracle) by
-//! `gpu_forward_check`. Not yet: batching several sequences, sampling kernels, CUDA graphs.
+//! The decoder forward on the CUDA backend (feature `cuda`), batched over sequences.
+//!
+//! Weights are bf16 on the device (uploaded from a CPU `Transformer`, or filled in place with seeded
+//! random values for `--random-weights`); activations f32 with bf16 copies feeding the linear layers
+//! (cuBLAS or the skinny tensor-core kernel, chosen per shape by measurement); the KV cache is f32 in
+//! a paged pool of 16-position blocks shared by all sequences.
+//!
+//! One forward takes several sequences, each with its own new tokens and logits count, like the CPU
+//! `Transformer::forward` (the oracle it is checked against by `gpu_forward_check`). Every per-step
+//! input (token ids, positions, cache slots, block tables, which rows need logits) lives in one device
+//! buffer allocated at construction and is refreshed by a single async copy, and every kernel takes
+//! its sizes from the launch or from that buffer — so the step for a (batch bucket, tokens per
+//! sequence, logits per sequence) shape is captured once into a CUDA graph and replayed with new
+//! inputs, with no host synchronisation inside the step. Batches are padded up to a power-of-two
+//! bucket with rows that write to a reserved trash block. Shapes that don't fit a graph (prefill
+//! chunks of any length, mixed token counts) run the same kernels launched directly.
 
+use crate::config::ModelConfig;
+use crate::random::{self, TensorKind};
 use crate::transformer::Transformer;
 use crate::ModelError;
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
-use specula_kernels::cuda::{CudaError, Gemm, GpuDevice};
+use cudarc::driver::{sys, CudaFunction, CudaGraph, CudaSlice, LaunchConfig, PushKernelArg};
+use specula_kernels::cuda::{CudaError, Gemm, GpuDevice, LinearChoice};
 use specula_kernels::{Matrix, MatrixData};
+use std::collections::HashMap;
 
 fn gpu(e: impl Into<CudaError>) -> ModelError {
     ModelError::Gpu(e.into().to_string())
 }
 
-/// Weight bits as bf16 (f32 checkpoints are rounded: the GPU path computes in bf16 x bf16 -> f32).
-fn bf16_bits(m: &Matrix) -> Vec<u16> {
-    match &m.data {
-        MatrixData::Bf16(v) => v.iter().map(|x| x.to_bits()).collect(),
-        MatrixData::F32(v) => v
-            .iter()
-            .map(|&x| half::bf16::from_f32(x).to_bits())
-            .collect(),
+/// Positions per KV block.
+pub const GPU_BLOCK_SIZE: usize = 16;
+/// The most new tokens per sequence a captured step takes (a verify block of k = 15 drafts).
+pub const MAX_GRAPH_TOKENS: usize = 16;
+
+/// Capacities, fixed at construction (every step buffer is allocated from them before any capture).
+#[derive(Debug, Clone)]
+pub struct GpuOptions {
+    /// Sequences alive at once; also the largest batch of one step.
+    pub max_sequences: usize,
+    /// Positions per sequence.
+    pub max_positions: usize,
+    /// Activation rows per device launch: longer prefills are split into chunks of this many.
+    pub max_rows: usize,
+}
+
+impl Default for GpuOptions {
+    fn default() -> Self {
+        GpuOptions {
+            max_sequences: 8,
+            max_positions: 2048,
+            max_rows: 512,
+        }
     }
+}
+
+/// A sequence slot of a `GpuTransformer`.
+pub type GpuSeqId = usize;
+
+/// One sequence's part of a GPU forward (as `SeqInput` for the CPU).
+#[derive(Debug, Clone)]
+pub struct GpuSeqInput<'a> {
+    pub seq: GpuSeqId,
+    pub tokens: &'a [u32],
+    pub num_logits: usize,
+}
+
+/// Logits on the host, `[sum of num_logits, vocab]`, sequences in input order.
+#[derive(Debug, Clone, Default)]
+pub struct GpuForwardOutput {
+    pub logits: Vec<f32>,
+    pub logits_start: Vec<usize>,
+    pub vocab_size: usize,
+}
+
+impl GpuForwardOutput {
+    pub fn row(&self, i: usize, j: usize) -> &[f32] {
+        let r = self.logits_start[i] + j;
+        &self.logits[r * self.vocab_size..(r + 1) * self.vocab_size]
+    }
+}
+
+/// How the last step ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepPath {
+    /// Replayed a captured graph.
+    Graph,
+    /// First use of a graph shape: ran directly, then captured for the next time.
+    Captured,
+    /// Launched kernel by kernel (no graph for this shape).
+    Direct,
 }
 
 struct GpuLayer {
@@ -41,32 +108,86 @@ struct GpuLayer {
 
 struct Kernels {
     embed_rows: CudaFunction,
-    rms_norm: CudaFunction,
+    rms_norm_bf16: CudaFunction,
     head_rms_norm: CudaFunction,
-    to_bf16: CudaFunction,
     add_bias_rows: CudaFunction,
-    add_in_place: CudaFunction,
-    rope: CudaFunction,
-    kv_append: CudaFunction,
+    rope_kv_append: CudaFunction,
     attention: CudaFunction,
-    swiglu: CudaFunction,
+    swiglu_bf16: CudaFunction,
+    argmax_rows: CudaFunction,
 }
 
-/// A model resident on the GPU with a KV cache for one sequence of up to `max_positions` positions.
+/// Device buffers of one step, sized from `GpuOptions`.
+struct StepBuffers {
+    /// Packed i32 inputs; see `InputLayout`.
+    inputs: CudaSlice<i32>,
+    x: CudaSlice<f32>,
+    act16: CudaSlice<u16>,
+    qkv: CudaSlice<f32>,
+    gate_up: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+    argmax: CudaSlice<u32>,
+}
+
+/// Offsets of the sections of the packed input buffer.
+#[derive(Debug, Clone, Copy)]
+struct InputLayout {
+    tokens: usize,
+    positions: usize,
+    slots: usize,
+    row_table: usize,
+    logit_rows: usize,
+    block_tables: usize,
+    len: usize,
+}
+
+impl InputLayout {
+    fn new(max_rows: usize, max_sequences: usize, max_blocks: usize) -> InputLayout {
+        InputLayout {
+            tokens: 0,
+            positions: max_rows,
+            slots: 2 * max_rows,
+            row_table: 3 * max_rows,
+            logit_rows: 4 * max_rows,
+            block_tables: 5 * max_rows,
+            len: 5 * max_rows + max_sequences * max_blocks,
+        }
+    }
+}
+
+struct SeqState {
+    blocks: Vec<u32>,
+    len: usize,
+}
+
+/// A model resident on the GPU with a paged KV cache for up to `max_sequences` sequences.
 pub struct GpuTransformer {
     pub device: GpuDevice,
     gemm: Gemm,
     k: Kernels,
-    config: crate::ModelConfig,
+    config: ModelConfig,
     embed: CudaSlice<u16>,
     layers: Vec<GpuLayer>,
     final_norm: CudaSlice<f32>,
     lm_head: Option<CudaSlice<u16>>,
     inv_freq: CudaSlice<f64>,
-    block_size: usize,
+    opts: GpuOptions,
+    /// Blocks a sequence may hold (`max_positions / GPU_BLOCK_SIZE`, rounded up).
     max_blocks: usize,
-    block_table: CudaSlice<i32>,
-    len: usize,
+    /// Dynamic shared memory of the attention kernel.
+    attention_smem: usize,
+    /// The block padded rows write to (never part of a sequence).
+    trash_block: u32,
+    free_blocks: Vec<u32>,
+    seqs: Vec<Option<SeqState>>,
+    layout: InputLayout,
+    host_inputs: Vec<i32>,
+    buf: StepBuffers,
+    /// Largest logits rows per launch.
+    max_logit_rows: usize,
+    graphs: HashMap<(usize, usize, usize), CudaGraph>,
+    /// Set when a capture failed: later steps run directly (correct, slower) and reports say why.
+    graph_error: Option<String>,
 }
 
 fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
@@ -77,101 +198,755 @@ fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
     }
 }
 
+fn grid_cfg(x: usize, y: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (x as u32, y as u32, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Weight bits as bf16 (f32 checkpoints are rounded: the GPU path computes in bf16 x bf16 -> f32).
+fn bf16_bits(m: &Matrix) -> Vec<u16> {
+    match &m.data {
+        MatrixData::Bf16(v) => v.iter().map(|x| x.to_bits()).collect(),
+        MatrixData::F32(v) => v
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_bits())
+            .collect(),
+    }
+}
+
+/// Where the weights come from.
+enum WeightSource<'a> {
+    Cpu(&'a Transformer),
+    Random { seed: u64 },
+}
+
+/// The smallest power of two >= `n`, capped at `cap` (then `cap` itself).
+fn batch_bucket(n: usize, cap: usize) -> usize {
+    n.next_power_of_two().min(cap).max(n)
+}
+
 impl GpuTransformer {
-    pub fn upload(cpu: &Transformer, max_positions: usize) -> Result<GpuTransformer, ModelError> {
-        let device = GpuDevice::new(0).map_err(|e| ModelError::Gpu(e.to_string()))?;
+    /// Uploads a CPU model.
+    pub fn upload(cpu: &Transformer, opts: GpuOptions) -> Result<GpuTransformer, ModelError> {
+        Self::build(cpu.config.clone(), WeightSource::Cpu(cpu), opts)
+    }
+
+    /// A model of `config`'s shape with seeded random bf16 weights generated on the device (the same
+    /// values `random::random_transformer` makes on the CPU).
+    pub fn random(
+        config: ModelConfig,
+        seed: u64,
+        opts: GpuOptions,
+    ) -> Result<GpuTransformer, ModelError> {
+        Self::build(config, WeightSource::Random { seed }, opts)
+    }
+
+    fn build(
+        config: ModelConfig,
+        source: WeightSource<'_>,
+        opts: GpuOptions,
+    ) -> Result<GpuTransformer, ModelError> {
+        config.validate()?;
+        let c = config.clone();
+        let group = c.num_heads / c.num_kv_heads;
+        if !c.head_dim.is_multiple_of(32) || c.head_dim > 256 || group > 8 {
+            return Err(ModelError::Gpu(format!(
+                "the GPU attention kernel needs head_dim a multiple of 32 and at most 256 and at most 8 query heads per KV head, got head_dim {} and {group}; use the CPU backend",
+                c.head_dim
+            )));
+        }
+        if opts.max_sequences == 0 || opts.max_positions == 0 {
+            return Err(ModelError::InvalidRequest(
+                "GPU options: max_sequences and max_positions must be positive".into(),
+            ));
+        }
+        let max_rows = opts
+            .max_rows
+            .max(opts.max_sequences * MAX_GRAPH_TOKENS)
+            .max(1);
+        let opts = GpuOptions { max_rows, ..opts };
+        let device = GpuDevice::new(0).map_err(gpu)?;
         let s = device.stream.clone();
-        let gemm = Gemm::new(s.clone()).map_err(|e| ModelError::Gpu(e.to_string()))?;
-        let f = |n: &str| {
-            device
-                .function(n)
-                .map_err(|e| ModelError::Gpu(e.to_string()))
-        };
+        let gemm = Gemm::new(&device).map_err(gpu)?;
+        let f = |n: &str| device.function(n).map_err(gpu);
         let k = Kernels {
             embed_rows: f("embed_rows")?,
-            rms_norm: f("rms_norm")?,
+            rms_norm_bf16: f("rms_norm_bf16")?,
             head_rms_norm: f("head_rms_norm")?,
-            to_bf16: f("f32_to_bf16_rows")?,
             add_bias_rows: f("add_bias_rows")?,
-            add_in_place: f("add_in_place")?,
-            rope: f("rope_neox")?,
-            kv_append: f("kv_append")?,
-            attention: f("attention")?,
-            swiglu: f("swiglu")?,
+            rope_kv_append: f("rope_kv_append")?,
+            attention: f("attention_gqa")?,
+            swiglu_bf16: f("swiglu_bf16")?,
+            argmax_rows: f("argmax_rows")?,
         };
-        let c = cpu.config.clone();
-        let block_size = 16;
-        let max_blocks = max_positions.div_ceil(block_size);
-        let cache_len = max_blocks * block_size * c.kv_dim();
-        let up_f32 = |v: &[f32]| s.clone_htod(v).map_err(gpu);
-        let up_bf16 = |m: &Matrix| s.clone_htod(&bf16_bits(m)).map_err(gpu);
-        let mut layers = Vec::with_capacity(cpu.layers.len());
-        for l in &cpu.layers {
+        let (h, qd, kvd, ffn) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let width = qd + 2 * kvd;
+        let max_blocks = opts.max_positions.div_ceil(GPU_BLOCK_SIZE);
+        // attention_gqa's shared memory (see decoder.cu), fixed by the largest context.
+        let max_keys = max_blocks * GPU_BLOCK_SIZE;
+        let attention_smem =
+            4 * (group * c.head_dim + group * max_keys + max_keys + 256 * group + 8);
+        let smem_limit = device
+            .ctx
+            .attribute(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .map_err(gpu)? as usize;
+        if attention_smem > smem_limit {
+            return Err(ModelError::InvalidRequest(format!(
+                "GPU attention for {} positions per sequence needs {attention_smem} bytes of shared memory, over the device's {smem_limit}: lower max_positions",
+                opts.max_positions
+            )));
+        }
+        k.attention
+            .set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                attention_smem as i32,
+            )
+            .map_err(gpu)?;
+        let num_blocks = opts.max_sequences * max_blocks;
+        // One more block: the trash block padded rows write to.
+        let cache_len = (num_blocks + 1) * GPU_BLOCK_SIZE * kvd;
+
+        let fill_bf16 = f("fill_random_bf16")?;
+        let fill_f32 = f("fill_random_f32")?;
+        let fill_cfg = LaunchConfig {
+            grid_dim: (4096, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // Matrices: from the CPU model, or seeded on the device.
+        let matrix = |m: Option<&Matrix>,
+                      layer: Option<usize>,
+                      kind: TensorKind,
+                      n: usize|
+         -> Result<CudaSlice<u16>, ModelError> {
+            match (m, &source) {
+                (Some(m), _) => s.clone_htod(&bf16_bits(m)).map_err(gpu),
+                (None, WeightSource::Random { seed }) => {
+                    let mut d = s.alloc_zeros::<u16>(n).map_err(gpu)?;
+                    let (n64, tag, scale) = (
+                        n as u64,
+                        random::tensor_tag(layer, kind),
+                        random::MATRIX_SCALE,
+                    );
+                    let mut b = s.launch_builder(&fill_bf16);
+                    b.arg(&mut d).arg(&n64).arg(seed).arg(&tag).arg(&scale);
+                    // SAFETY: d holds n elements; arguments in fill_random_bf16's order and types.
+                    unsafe { b.launch(fill_cfg) }.map_err(gpu)?;
+                    Ok(d)
+                }
+                (None, WeightSource::Cpu(_)) => Err(ModelError::Gpu(
+                    "internal: CPU weights missing for a tensor".into(),
+                )),
+            }
+        };
+        let vector = |v: Option<&[f32]>,
+                      layer: Option<usize>,
+                      kind: TensorKind,
+                      n: usize,
+                      scale: f32,
+                      offset: f32|
+         -> Result<CudaSlice<f32>, ModelError> {
+            match (v, &source) {
+                (Some(v), _) => s.clone_htod(v).map_err(gpu),
+                (None, WeightSource::Random { seed }) => {
+                    let mut d = s.alloc_zeros::<f32>(n).map_err(gpu)?;
+                    let (n64, tag) = (n as u64, random::tensor_tag(layer, kind));
+                    let mut b = s.launch_builder(&fill_f32);
+                    b.arg(&mut d)
+                        .arg(&n64)
+                        .arg(seed)
+                        .arg(&tag)
+                        .arg(&scale)
+                        .arg(&offset);
+                    // SAFETY: d holds n elements; arguments in fill_random_f32's order and types.
+                    unsafe { b.launch(fill_cfg) }.map_err(gpu)?;
+                    Ok(d)
+                }
+                (None, WeightSource::Cpu(_)) => Err(ModelError::Gpu(
+                    "internal: CPU weights missing for a tensor".into(),
+                )),
+            }
+        };
+        let cpu = match &source {
+            WeightSource::Cpu(t) => Some(*t),
+            WeightSource::Random { .. } => None,
+        };
+        let (ns, bs) = (random::NORM_SCALE, random::BIAS_SCALE);
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for li in 0..c.num_layers {
+            let l = cpu.map(|t| &t.layers[li]);
+            let at = Some(li);
             layers.push(GpuLayer {
-                attn_norm: up_f32(&l.attn_norm)?,
-                wqkv: up_bf16(&l.wqkv)?,
-                bqkv: l.bqkv.as_deref().map(up_f32).transpose()?,
-                q_norm: l.q_norm.as_deref().map(up_f32).transpose()?,
-                k_norm: l.k_norm.as_deref().map(up_f32).transpose()?,
-                wo: up_bf16(&l.wo)?,
-                bo: l.bo.as_deref().map(up_f32).transpose()?,
-                ffn_norm: up_f32(&l.ffn_norm)?,
-                w_gate_up: up_bf16(&l.w_gate_up)?,
-                w_down: up_bf16(&l.w_down)?,
+                attn_norm: vector(
+                    l.map(|l| &l.attn_norm[..]),
+                    at,
+                    TensorKind::AttnNorm,
+                    h,
+                    ns,
+                    1.0,
+                )?,
+                wqkv: matrix(l.map(|l| &l.wqkv), at, TensorKind::Wqkv, width * h)?,
+                bqkv: if c.qkv_bias {
+                    Some(vector(
+                        l.and_then(|l| l.bqkv.as_deref()),
+                        at,
+                        TensorKind::Bqkv,
+                        width,
+                        bs,
+                        0.0,
+                    )?)
+                } else {
+                    None
+                },
+                q_norm: if c.qk_norm {
+                    Some(vector(
+                        l.and_then(|l| l.q_norm.as_deref()),
+                        at,
+                        TensorKind::QNorm,
+                        c.head_dim,
+                        ns,
+                        1.0,
+                    )?)
+                } else {
+                    None
+                },
+                k_norm: if c.qk_norm {
+                    Some(vector(
+                        l.and_then(|l| l.k_norm.as_deref()),
+                        at,
+                        TensorKind::KNorm,
+                        c.head_dim,
+                        ns,
+                        1.0,
+                    )?)
+                } else {
+                    None
+                },
+                wo: matrix(l.map(|l| &l.wo), at, TensorKind::Wo, h * qd)?,
+                bo: if c.o_bias {
+                    Some(vector(
+                        l.and_then(|l| l.bo.as_deref()),
+                        at,
+                        TensorKind::Bo,
+                        h,
+                        bs,
+                        0.0,
+                    )?)
+                } else {
+                    None
+                },
+                ffn_norm: vector(
+                    l.map(|l| &l.ffn_norm[..]),
+                    at,
+                    TensorKind::FfnNorm,
+                    h,
+                    ns,
+                    1.0,
+                )?,
+                w_gate_up: matrix(
+                    l.map(|l| &l.w_gate_up),
+                    at,
+                    TensorKind::WGateUp,
+                    2 * ffn * h,
+                )?,
+                w_down: matrix(l.map(|l| &l.w_down), at, TensorKind::WDown, h * ffn)?,
                 k_cache: s.alloc_zeros::<f32>(cache_len).map_err(gpu)?,
                 v_cache: s.alloc_zeros::<f32>(cache_len).map_err(gpu)?,
             });
         }
-        // One sequence: its blocks are simply 0..max_blocks (the kernels read them through the table).
-        let table: Vec<i32> = (0..max_blocks as i32).collect();
+        let embed = matrix(
+            cpu.map(|t| &t.embed),
+            None,
+            TensorKind::Embed,
+            c.vocab_size * h,
+        )?;
+        let lm_head = if c.tie_word_embeddings {
+            None
+        } else {
+            Some(matrix(
+                cpu.and_then(|t| t.lm_head.as_ref()),
+                None,
+                TensorKind::LmHead,
+                c.vocab_size * h,
+            )?)
+        };
+        let final_norm = vector(
+            cpu.map(|t| &t.final_norm[..]),
+            None,
+            TensorKind::FinalNorm,
+            h,
+            ns,
+            1.0,
+        )?;
+        let inv_freq = s.clone_htod(&c.rope_inv_freq()).map_err(gpu)?;
+
+        let max_logit_rows = (opts.max_sequences * MAX_GRAPH_TOKENS).max(64);
+        let layout = InputLayout::new(max_rows, opts.max_sequences, max_blocks);
+        let act_width = h.max(qd).max(ffn);
+        let buf = StepBuffers {
+            inputs: s.alloc_zeros::<i32>(layout.len).map_err(gpu)?,
+            x: s.alloc_zeros::<f32>(max_rows * h).map_err(gpu)?,
+            act16: s.alloc_zeros::<u16>(max_rows * act_width).map_err(gpu)?,
+            qkv: s.alloc_zeros::<f32>(max_rows * width).map_err(gpu)?,
+            gate_up: s.alloc_zeros::<f32>(max_rows * 2 * ffn).map_err(gpu)?,
+            logits: s
+                .alloc_zeros::<f32>(max_logit_rows * c.vocab_size)
+                .map_err(gpu)?,
+            argmax: s.alloc_zeros::<u32>(max_logit_rows).map_err(gpu)?,
+        };
+        s.synchronize().map_err(gpu)?;
         Ok(GpuTransformer {
+            device,
             gemm,
             k,
-            embed: up_bf16(&cpu.embed)?,
-            final_norm: up_f32(&cpu.final_norm)?,
-            lm_head: cpu.lm_head.as_ref().map(up_bf16).transpose()?,
-            inv_freq: s.clone_htod(&cpu.inv_freq).map_err(gpu)?,
-            block_table: s.clone_htod(&table).map_err(gpu)?,
-            block_size,
-            max_blocks,
+            embed,
             layers,
+            final_norm,
+            lm_head,
+            inv_freq,
+            max_blocks,
+            attention_smem,
+            trash_block: num_blocks as u32,
+            // Popped from the end: hand out low block numbers first.
+            free_blocks: (0..num_blocks as u32).rev().collect(),
+            seqs: Vec::new(),
+            host_inputs: vec![0; layout.len],
+            layout,
+            buf,
+            max_logit_rows,
+            graphs: HashMap::new(),
+            graph_error: None,
+            opts,
             config: c,
-            len: 0,
-            device,
         })
     }
 
-    pub fn len(&self) -> usize {
-        self.len
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
+    pub fn options(&self) -> &GpuOptions {
+        &self.opts
     }
 
-    /// Rolls the sequence back to `len` positions (rejected drafts).
-    pub fn truncate(&mut self, len: usize) {
-        self.len = self.len.min(len);
+    /// Bytes of weights one step streams: every layer matrix and the LM head (bf16).
+    pub fn weight_bytes(&self) -> usize {
+        let c = &self.config;
+        let (h, qd, kvd, ffn) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let per_layer = (qd + 2 * kvd) * h + h * qd + 2 * ffn * h + h * ffn;
+        2 * (c.num_layers * per_layer + c.vocab_size * h)
     }
 
-    /// Appends `tokens` and returns the logits of every new position, `[tokens.len(), vocab]`, on the host.
-    pub fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+    /// Bytes of keys and values (f32) that attention reads for `keys` cached positions in total.
+    pub fn kv_bytes(&self, keys: usize) -> usize {
+        keys * self.config.num_layers * 2 * self.config.kv_dim() * 4
+    }
+
+    /// Times cuBLAS and the skinny kernel on every distinct linear-layer shape of the model for each
+    /// activation-row bucket in `tokens`, and uses the faster from now on. Run before capturing graphs
+    /// (graphs captured earlier keep their kernels).
+    pub fn tune_linear_layers(
+        &mut self,
+        tokens: &[usize],
+        reps: usize,
+    ) -> Result<Vec<LinearChoice>, ModelError> {
         let c = self.config.clone();
-        let n = tokens.len();
-        if n == 0 || self.len + n > self.max_blocks * self.block_size {
+        let (h, qd, kvd, ffn) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let ls = &self.layers;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let mut out = Vec::new();
+        let shapes: [(Vec<&CudaSlice<u16>>, usize, usize); 5] = [
+            (ls.iter().map(|l| &l.wqkv).collect(), qd + 2 * kvd, h),
+            (ls.iter().map(|l| &l.wo).collect(), h, qd),
+            (ls.iter().map(|l| &l.w_gate_up).collect(), 2 * ffn, h),
+            (ls.iter().map(|l| &l.w_down).collect(), h, ffn),
+            (vec![head], c.vocab_size, h),
+        ];
+        for (weights, rows, cols) in &shapes {
+            out.extend(
+                self.gemm
+                    .tune(weights, *rows, *cols, tokens, reps)
+                    .map_err(gpu)?,
+            );
+        }
+        self.graphs.clear();
+        Ok(out)
+    }
+
+    pub fn add_sequence(&mut self) -> Result<GpuSeqId, ModelError> {
+        let state = SeqState {
+            blocks: Vec::new(),
+            len: 0,
+        };
+        if let Some(i) = self.seqs.iter().position(Option::is_none) {
+            self.seqs[i] = Some(state);
+            return Ok(i);
+        }
+        if self.seqs.len() >= self.opts.max_sequences {
             return Err(ModelError::InvalidRequest(format!(
-                "GPU forward of {n} tokens at position {} exceeds its cache of {} positions",
-                self.len,
-                self.max_blocks * self.block_size
+                "the GPU model holds at most {} sequences",
+                self.opts.max_sequences
             )));
         }
-        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            return Err(ModelError::TokenOutOfRange {
-                id,
-                vocab_size: c.vocab_size,
+        self.seqs.push(Some(state));
+        Ok(self.seqs.len() - 1)
+    }
+
+    fn seq(&self, seq: GpuSeqId) -> Result<&SeqState, ModelError> {
+        self.seqs
+            .get(seq)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| ModelError::InvalidRequest(format!("no GPU sequence {seq}")))
+    }
+
+    pub fn remove_sequence(&mut self, seq: GpuSeqId) -> Result<(), ModelError> {
+        self.seq(seq)?;
+        let state = self.seqs[seq].take().expect("checked");
+        self.free_blocks.extend(state.blocks.into_iter().rev());
+        Ok(())
+    }
+
+    pub fn seq_len(&self, seq: GpuSeqId) -> Result<usize, ModelError> {
+        Ok(self.seq(seq)?.len)
+    }
+
+    /// Rolls a sequence back to `len` positions (rejected drafts) and frees blocks past it.
+    pub fn truncate(&mut self, seq: GpuSeqId, len: usize) -> Result<(), ModelError> {
+        self.seq(seq)?;
+        let state = self.seqs[seq].as_mut().expect("checked");
+        state.len = state.len.min(len);
+        let keep = state.len.div_ceil(GPU_BLOCK_SIZE);
+        let freed: Vec<u32> = state.blocks.drain(keep..).collect();
+        self.free_blocks.extend(freed.into_iter().rev());
+        Ok(())
+    }
+
+    /// Runs the inputs and returns their logits on the host. Prefills longer than `max_rows` rows are
+    /// split into chunks (each a direct launch); batches that fit run as one step.
+    pub fn forward(&mut self, inputs: &[GpuSeqInput<'_>]) -> Result<GpuForwardOutput, ModelError> {
+        let vocab = self.config.vocab_size;
+        let total: usize = inputs.iter().map(|i| i.tokens.len()).sum();
+        let logits: usize = inputs.iter().map(|i| i.num_logits).sum();
+        if total <= self.opts.max_rows && logits <= self.max_logit_rows {
+            let (n, _) = self.run(inputs, true)?;
+            let mut out = vec![0f32; n * vocab];
+            let s = self.device.stream.clone();
+            if n > 0 {
+                s.memcpy_dtoh(&self.buf.logits.slice(..n * vocab), &mut out)
+                    .map_err(gpu)?;
+            }
+            s.synchronize().map_err(gpu)?;
+            let mut starts = Vec::with_capacity(inputs.len());
+            let mut acc = 0;
+            for i in inputs {
+                starts.push(acc);
+                acc += i.num_logits;
+            }
+            return Ok(GpuForwardOutput {
+                logits: out,
+                logits_start: starts,
+                vocab_size: vocab,
             });
         }
+        // One sequence at a time, in chunks of max_rows tokens; logits for the rows asked for.
+        let mut all = GpuForwardOutput {
+            vocab_size: vocab,
+            ..Default::default()
+        };
+        for inp in inputs {
+            if inp.num_logits > self.max_logit_rows {
+                return Err(ModelError::InvalidRequest(format!(
+                    "asked for {} logits rows; the GPU model returns at most {} per sequence",
+                    inp.num_logits, self.max_logit_rows
+                )));
+            }
+            all.logits_start.push(all.logits.len() / vocab);
+            let first_logit = inp.tokens.len().saturating_sub(inp.num_logits);
+            for (ci, chunk) in inp.tokens.chunks(self.opts.max_rows).enumerate() {
+                let start = ci * self.opts.max_rows;
+                let end = start + chunk.len();
+                let num_logits = end.saturating_sub(first_logit.max(start));
+                let o = self.forward(&[GpuSeqInput {
+                    seq: inp.seq,
+                    tokens: chunk,
+                    num_logits,
+                }])?;
+                all.logits.extend_from_slice(&o.logits);
+            }
+        }
+        Ok(all)
+    }
+
+    /// One step with the greedy token of every logits row as the result (the benchmark's step: the
+    /// logits stay on the device, only the ids come back).
+    pub fn step_argmax(&mut self, inputs: &[GpuSeqInput<'_>]) -> Result<Vec<u32>, ModelError> {
+        let (n, _) = self.run(inputs, true)?;
+        let mut ids = vec![0u32; n];
         let s = self.device.stream.clone();
+        s.memcpy_dtoh(&self.buf.argmax.slice(..n), &mut ids)
+            .map_err(gpu)?;
+        s.synchronize().map_err(gpu)?;
+        Ok(ids)
+    }
+
+    /// As `step_argmax` but always launched kernel by kernel (for comparing with the graph path).
+    pub fn step_argmax_direct(
+        &mut self,
+        inputs: &[GpuSeqInput<'_>],
+    ) -> Result<Vec<u32>, ModelError> {
+        let (n, _) = self.run(inputs, false)?;
+        let mut ids = vec![0u32; n];
+        let s = self.device.stream.clone();
+        s.memcpy_dtoh(&self.buf.argmax.slice(..n), &mut ids)
+            .map_err(gpu)?;
+        s.synchronize().map_err(gpu)?;
+        Ok(ids)
+    }
+
+    /// Device time of one replay of the captured graph of a shape (CUDA events): `batches` samples,
+    /// each the mean over 10 replays queued back to back, so host launch gaps are hidden and the number
+    /// is the GPU's own time per step. The inputs are those of the last step, so the replays rewrite
+    /// the same cache slots with the same values. None when that shape has no graph yet.
+    pub fn time_graph_replays(
+        &self,
+        batch: usize,
+        tokens: usize,
+        logits: usize,
+        batches: usize,
+    ) -> Result<Option<Vec<f64>>, ModelError> {
+        const PER_SAMPLE: usize = 10;
+        let bucket = batch_bucket(batch, self.opts.max_sequences);
+        let Some(graph) = self.graphs.get(&(bucket, tokens, logits)) else {
+            return Ok(None);
+        };
+        let s = &self.device.stream;
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.device.ctx.new_event(flags).map_err(gpu)?;
+        let end = self.device.ctx.new_event(flags).map_err(gpu)?;
+        for _ in 0..3 {
+            graph.launch().map_err(gpu)?;
+        }
+        let mut times = Vec::with_capacity(batches);
+        for _ in 0..batches.max(1) {
+            start.record(s).map_err(gpu)?;
+            for _ in 0..PER_SAMPLE {
+                graph.launch().map_err(gpu)?;
+            }
+            end.record(s).map_err(gpu)?;
+            times.push(start.elapsed_ms(&end).map_err(gpu)? as f64 / PER_SAMPLE as f64);
+        }
+        Ok(Some(times))
+    }
+
+    /// Why graphs were switched off (a failed capture), if they were.
+    pub fn graph_error(&self) -> Option<&str> {
+        self.graph_error.as_deref()
+    }
+
+    /// How the most recent `run` of this shape would go: whether a graph exists for it.
+    pub fn has_graph(&self, batch: usize, tokens: usize, logits: usize) -> bool {
+        let bucket = batch_bucket(batch, self.opts.max_sequences);
+        self.graphs.contains_key(&(bucket, tokens, logits))
+    }
+
+    /// Validates, grows the sequences' blocks, copies the packed inputs to the device and runs the
+    /// step (graph or direct). Returns the logits rows computed and the path taken. On error the
+    /// sequences are left as they were.
+    fn run(
+        &mut self,
+        inputs: &[GpuSeqInput<'_>],
+        allow_graph: bool,
+    ) -> Result<(usize, StepPath), ModelError> {
+        let c = &self.config;
+        if inputs.is_empty() {
+            return Err(ModelError::InvalidRequest(
+                "a GPU forward needs at least one sequence".into(),
+            ));
+        }
+        let mut seen = vec![false; self.seqs.len()];
+        let mut starts = Vec::with_capacity(inputs.len());
+        for inp in inputs {
+            let st = self.seq(inp.seq)?;
+            if std::mem::replace(&mut seen[inp.seq], true) {
+                return Err(ModelError::InvalidRequest(format!(
+                    "GPU sequence {} appears twice in one forward",
+                    inp.seq
+                )));
+            }
+            if inp.tokens.is_empty() || inp.num_logits > inp.tokens.len() {
+                return Err(ModelError::InvalidRequest(format!(
+                    "a sequence has {} new tokens and asks for {} logits rows",
+                    inp.tokens.len(),
+                    inp.num_logits
+                )));
+            }
+            if let Some(&id) = inp.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+                return Err(ModelError::TokenOutOfRange {
+                    id,
+                    vocab_size: c.vocab_size,
+                });
+            }
+            let needed = st.len + inp.tokens.len();
+            let limit = self.opts.max_positions.min(c.max_position_embeddings);
+            if needed > limit {
+                return Err(ModelError::ContextOverflow { needed, limit });
+            }
+            starts.push(st.len);
+        }
+        let rows: usize = inputs.iter().map(|i| i.tokens.len()).sum();
+        let n_logits: usize = inputs.iter().map(|i| i.num_logits).sum();
+        if rows > self.opts.max_rows || n_logits > self.max_logit_rows {
+            return Err(ModelError::InvalidRequest(format!(
+                "{rows} rows / {n_logits} logits rows in one GPU launch (limits {} / {})",
+                self.opts.max_rows, self.max_logit_rows
+            )));
+        }
+        // Graph shape: every sequence with the same token and logits counts.
+        let t = inputs[0].tokens.len();
+        let lg = inputs[0].num_logits;
+        let uniform = inputs
+            .iter()
+            .all(|i| i.tokens.len() == t && i.num_logits == lg);
+        let graph_shape = (allow_graph
+            && self.graph_error.is_none()
+            && uniform
+            && t <= MAX_GRAPH_TOKENS
+            && lg >= 1)
+            .then(|| (batch_bucket(inputs.len(), self.opts.max_sequences), t, lg));
+
+        // Blocks for the new positions (all or nothing).
+        let blocks_needed: usize = inputs
+            .iter()
+            .zip(&starts)
+            .map(|(i, &s)| {
+                (s + i.tokens.len())
+                    .div_ceil(GPU_BLOCK_SIZE)
+                    .saturating_sub(self.seqs[i.seq].as_ref().map_or(0, |x| x.blocks.len()))
+            })
+            .sum();
+        if blocks_needed > self.free_blocks.len() {
+            return Err(ModelError::InvalidRequest(format!(
+                "GPU KV cache exhausted: {blocks_needed} blocks needed, {} free",
+                self.free_blocks.len()
+            )));
+        }
+        for (inp, &s) in inputs.iter().zip(&starts) {
+            let want = (s + inp.tokens.len()).div_ceil(GPU_BLOCK_SIZE);
+            let st = self.seqs[inp.seq].as_mut().expect("checked");
+            while st.blocks.len() < want {
+                st.blocks.push(self.free_blocks.pop().expect("counted"));
+            }
+        }
+
+        // Packed inputs (padded rows of a bucket: token 0 at position 0 in the trash block).
+        let lay = self.layout;
+        let (bsz, mb, trash) = (GPU_BLOCK_SIZE, self.max_blocks, self.trash_block as i32);
+        let (batch, rows_total, logits_total) = match graph_shape {
+            Some((bucket, t, lg)) => (bucket, bucket * t, bucket * lg),
+            None => (inputs.len(), rows, n_logits),
+        };
+        let h = &mut self.host_inputs;
+        let mut row = 0;
+        let mut lrow = 0;
+        for b in 0..batch {
+            let table = &mut h[lay.block_tables + b * mb..lay.block_tables + (b + 1) * mb];
+            table.fill(trash);
+            if let Some(inp) = inputs.get(b) {
+                let st = self.seqs[inp.seq].as_ref().expect("checked");
+                for (dst, &blk) in table.iter_mut().zip(&st.blocks) {
+                    *dst = blk as i32;
+                }
+                let n = inp.tokens.len();
+                for (j, &tok) in inp.tokens.iter().enumerate() {
+                    let pos = starts[b] + j;
+                    h[lay.tokens + row] = tok as i32;
+                    h[lay.positions + row] = pos as i32;
+                    h[lay.slots + row] = (st.blocks[pos / bsz] as usize * bsz + pos % bsz) as i32;
+                    h[lay.row_table + row] = b as i32;
+                    if j >= n - inp.num_logits {
+                        h[lay.logit_rows + lrow] = row as i32;
+                        lrow += 1;
+                    }
+                    row += 1;
+                }
+            } else if let Some((_, t, lg)) = graph_shape {
+                for j in 0..t {
+                    h[lay.tokens + row] = 0;
+                    h[lay.positions + row] = j as i32;
+                    h[lay.slots + row] = trash * bsz as i32 + j as i32;
+                    h[lay.row_table + row] = b as i32;
+                    if j >= t - lg {
+                        h[lay.logit_rows + lrow] = row as i32;
+                        lrow += 1;
+                    }
+                    row += 1;
+                }
+            }
+        }
+        debug_assert_eq!((row, lrow), (rows_total, logits_total));
+        let s = self.device.stream.clone();
+        s.memcpy_htod(&self.host_inputs, &mut self.buf.inputs)
+            .map_err(gpu)?;
+
+        let path = match graph_shape {
+            Some(key) if self.graphs.contains_key(&key) => {
+                self.graphs[&key].launch().map_err(gpu)?;
+                StepPath::Graph
+            }
+            Some(key) => {
+                // Run it directly (this is the step's result), then capture the same launches.
+                self.encode(rows_total, logits_total)?;
+                match self.capture(rows_total, logits_total) {
+                    Ok(graph) => {
+                        self.graphs.insert(key, graph);
+                        StepPath::Captured
+                    }
+                    Err(e) => {
+                        self.graph_error = Some(e.to_string());
+                        StepPath::Direct
+                    }
+                }
+            }
+            None => {
+                self.encode(rows_total, logits_total)?;
+                StepPath::Direct
+            }
+        };
+        for (inp, &start) in inputs.iter().zip(&starts) {
+            self.seqs[inp.seq].as_mut().expect("checked").len = start + inp.tokens.len();
+        }
+        Ok((n_logits, path))
+    }
+
+    /// Captures `encode(rows, n_logits)` into a graph (nothing runs during capture).
+    fn capture(&mut self, rows: usize, n_logits: usize) -> Result<CudaGraph, ModelError> {
+        let s = self.device.stream.clone();
+        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(gpu)?;
+        let recorded = self.encode(rows, n_logits);
+        let graph = s.end_capture(sys::CUgraphInstantiate_flags(0));
+        recorded?;
+        let graph = graph
+            .map_err(gpu)?
+            .ok_or_else(|| ModelError::Gpu("CUDA graph capture produced no graph".into()))?;
+        graph.upload().map_err(gpu)?;
+        Ok(graph)
+    }
+
+    /// Launches one forward over `rows` packed input rows with logits for `n_logits` of them. Reads
+    /// only device buffers and launch-time sizes, so it can be captured into a graph.
+    fn encode(&mut self, rows: usize, n_logits: usize) -> Result<(), ModelError> {
+        let c = &self.config;
+        let s = self.device.stream.clone();
+        let k = &self.k;
+        let gemm = &self.gemm;
+        let lay = self.layout;
+        let buf = &mut self.buf;
         let (h, qd, kvd, hd, ffn) = (
             c.hidden_size,
             c.q_dim(),
@@ -180,192 +955,191 @@ impl GpuTransformer {
             c.intermediate_size,
         );
         let width = qd + 2 * kvd;
-        let positions: Vec<i32> = (self.len..self.len + n).map(|p| p as i32).collect();
-        let slots: Vec<i32> = positions.clone(); // block i holds positions i*bs.., table is the identity
-        let ctx = self.len + n;
-        let dtok = s.clone_htod(tokens).map_err(gpu)?;
-        let dpos = s.clone_htod(&positions).map_err(gpu)?;
-        let dslots = s.clone_htod(&slots).map_err(gpu)?;
-        let row_table = s.alloc_zeros::<i32>(n).map_err(gpu)?;
-        let mut x = s.alloc_zeros::<f32>(n * h).map_err(gpu)?;
-        let mut normed = s.alloc_zeros::<f32>(n * h).map_err(gpu)?;
-        let mut act16 = s.alloc_zeros::<u16>(n * qd.max(h).max(ffn)).map_err(gpu)?;
-        let mut qkv = s.alloc_zeros::<f32>(n * width).map_err(gpu)?;
-        let mut attn = s.alloc_zeros::<f32>(n * qd).map_err(gpu)?;
-        let mut proj = s.alloc_zeros::<f32>(n * h).map_err(gpu)?;
-        let mut gate_up = s.alloc_zeros::<f32>(n * 2 * ffn).map_err(gpu)?;
-        let mut act = s.alloc_zeros::<f32>(n * ffn).map_err(gpu)?;
-        let (h_i, eps) = (h as i32, c.rms_norm_eps);
-        let k = &self.k;
-        // SAFETY (all launches below): every buffer was allocated above or at upload with the sizes the
-        // kernels index, and arguments are passed in the order and types of decoder.cu's signatures.
-        unsafe {
-            let mut b = s.launch_builder(&k.embed_rows);
-            b.arg(&self.embed).arg(&dtok).arg(&mut x).arg(&h_i);
-            b.launch(rows_cfg(n, 128)).map_err(gpu)?;
-        }
-        let to_bf16 = |src: &CudaSlice<f32>,
-                       dst: &mut CudaSlice<u16>,
-                       count: usize|
-         -> Result<(), ModelError> {
-            let cnt = count as i32;
-            let mut b = s.launch_builder(&k.to_bf16);
-            b.arg(src).arg(dst).arg(&cnt);
-            unsafe { b.launch(LaunchConfig::for_num_elems(count as u32)) }.map_err(gpu)?;
-            Ok(())
-        };
-        let rms = |src: &CudaSlice<f32>,
-                   w: &CudaSlice<f32>,
-                   dst: &mut CudaSlice<f32>,
-                   rows: usize|
-         -> Result<(), ModelError> {
-            let mut b = s.launch_builder(&k.rms_norm);
-            b.arg(src).arg(w).arg(dst).arg(&h_i).arg(&eps);
-            unsafe { b.launch(rows_cfg(rows, 128)) }.map_err(gpu)?;
-            Ok(())
-        };
-        let add = |a: &mut CudaSlice<f32>,
-                   bsrc: &CudaSlice<f32>,
-                   count: usize|
-         -> Result<(), ModelError> {
-            let cnt = count as i32;
-            let mut b = s.launch_builder(&k.add_in_place);
-            b.arg(a).arg(bsrc).arg(&cnt);
-            unsafe { b.launch(LaunchConfig::for_num_elems(count as u32)) }.map_err(gpu)?;
-            Ok(())
-        };
-        let bias = |a: &mut CudaSlice<f32>,
-                    bsrc: &CudaSlice<f32>,
-                    rows: usize,
-                    dim: usize|
-         -> Result<(), ModelError> {
-            let (r, d) = (rows as i32, dim as i32);
-            let mut b = s.launch_builder(&k.add_bias_rows);
-            b.arg(a).arg(bsrc).arg(&r).arg(&d);
-            unsafe { b.launch(LaunchConfig::for_num_elems((rows * dim) as u32)) }.map_err(gpu)?;
-            Ok(())
-        };
-        let (w_i, hd_i, qd_i, kvd_i) = (width as i32, hd as i32, qd as i32, kvd as i32);
+        let (h_i, w_i, hd_i, eps) = (h as i32, width as i32, hd as i32, c.rms_norm_eps);
         let (nh_i, nkv_i, mb_i, bs_i) = (
             c.num_heads as i32,
             c.num_kv_heads as i32,
             self.max_blocks as i32,
-            self.block_size as i32,
+            GPU_BLOCK_SIZE as i32,
         );
-        let v_off = (qd + kvd) as i32;
+        let (rows_i, ffn_i, qd_i) = (rows as i32, ffn as i32, qd as i32);
+        let max_keys_i = (self.max_blocks * GPU_BLOCK_SIZE) as i32;
         let scale = 1.0 / (hd as f32).sqrt();
-        let zero = 0i32;
-        let ffn_i = ffn as i32;
-        let n_i = n as i32;
+        let null_rows: u64 = 0;
+        let tokens = buf.inputs.slice(lay.tokens..lay.tokens + rows);
+        let positions = buf.inputs.slice(lay.positions..lay.positions + rows);
+        let slots = buf.inputs.slice(lay.slots..lay.slots + rows);
+        let row_table = buf.inputs.slice(lay.row_table..lay.row_table + rows);
+        let logit_rows = buf.inputs.slice(lay.logit_rows..lay.logit_rows + n_logits);
+        let tables = buf.inputs.slice(lay.block_tables..lay.len);
+        let elems = |n: usize| LaunchConfig::for_num_elems(n as u32);
+        let blas = |e: CudaError| ModelError::Gpu(e.to_string());
+
+        // SAFETY (every launch below): buffers were allocated at construction for max_rows rows and
+        // max_logit_rows logits rows (run() checked rows and n_logits against them), and arguments
+        // follow the order and types of decoder.cu's signatures.
+        unsafe {
+            let mut b = s.launch_builder(&k.embed_rows);
+            b.arg(&self.embed).arg(&tokens).arg(&mut buf.x).arg(&h_i);
+            b.launch(rows_cfg(rows, 128)).map_err(gpu)?;
+        }
         for l in &mut self.layers {
-            rms(&x, &l.attn_norm, &mut normed, n)?;
-            to_bf16(&normed, &mut act16, n * h)?;
-            self.gemm
-                .linear(&l.wqkv, &act16, &mut qkv, width, h, n)
-                .map_err(|e| ModelError::Gpu(e.to_string()))?;
+            unsafe {
+                let mut b = s.launch_builder(&k.rms_norm_bf16);
+                b.arg(&buf.x)
+                    .arg(&null_rows)
+                    .arg(&l.attn_norm)
+                    .arg(&mut buf.act16)
+                    .arg(&h_i)
+                    .arg(&eps);
+                b.launch(rows_cfg(rows, 128)).map_err(gpu)?;
+            }
+            gemm.linear(&l.wqkv, &buf.act16, &mut buf.qkv, width, h, rows)
+                .map_err(blas)?;
             if let Some(bq) = &l.bqkv {
-                bias(&mut qkv, bq, n, width)?;
+                let (r, d) = (rows_i, w_i);
+                let mut b = s.launch_builder(&k.add_bias_rows);
+                b.arg(&mut buf.qkv).arg(bq).arg(&r).arg(&d);
+                unsafe { b.launch(elems(rows * width)) }.map_err(gpu)?;
             }
             if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
                 for (w, off, heads) in [(qn, 0i32, c.num_heads), (kn, qd_i, c.num_kv_heads)] {
                     let mut b = s.launch_builder(&k.head_rms_norm);
-                    b.arg(&mut qkv)
+                    b.arg(&mut buf.qkv)
                         .arg(&w_i)
                         .arg(&off)
                         .arg(w)
                         .arg(&hd_i)
                         .arg(&eps);
-                    let cfg = LaunchConfig {
-                        grid_dim: (n as u32, heads as u32, 1),
-                        block_dim: (128, 1, 1),
-                        shared_mem_bytes: 0,
-                    };
-                    unsafe { b.launch(cfg) }.map_err(gpu)?;
+                    unsafe { b.launch(grid_cfg(rows, heads, 128)) }.map_err(gpu)?;
                 }
             }
-            for (off, heads) in [(zero, c.num_heads), (qd_i, c.num_kv_heads)] {
-                let mut b = s.launch_builder(&k.rope);
-                b.arg(&mut qkv)
-                    .arg(&w_i)
-                    .arg(&off)
-                    .arg(&dpos)
-                    .arg(&self.inv_freq)
-                    .arg(&hd_i);
-                let cfg = LaunchConfig {
-                    grid_dim: (n as u32, heads as u32, 1),
-                    block_dim: ((hd / 2) as u32, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                unsafe { b.launch(cfg) }.map_err(gpu)?;
-            }
-            {
-                let mut b = s.launch_builder(&k.kv_append);
-                b.arg(&qkv)
-                    .arg(&w_i)
-                    .arg(&qd_i)
-                    .arg(&v_off)
-                    .arg(&kvd_i)
-                    .arg(&dslots)
-                    .arg(&mut l.k_cache)
-                    .arg(&mut l.v_cache);
-                unsafe { b.launch(rows_cfg(n, 128)) }.map_err(gpu)?;
-            }
-            {
-                let mut b = s.launch_builder(&k.attention);
-                b.arg(&qkv)
+            unsafe {
+                let mut b = s.launch_builder(&k.rope_kv_append);
+                b.arg(&mut buf.qkv)
                     .arg(&w_i)
                     .arg(&nh_i)
                     .arg(&nkv_i)
                     .arg(&hd_i)
-                    .arg(&dpos)
+                    .arg(&positions)
+                    .arg(&self.inv_freq)
+                    .arg(&slots)
+                    .arg(&mut l.k_cache)
+                    .arg(&mut l.v_cache);
+                let heads = c.num_heads + 2 * c.num_kv_heads;
+                b.launch(grid_cfg(rows, heads, (hd / 2) as u32))
+                    .map_err(gpu)?;
+            }
+            unsafe {
+                let mut b = s.launch_builder(&k.attention);
+                b.arg(&buf.qkv)
+                    .arg(&w_i)
+                    .arg(&nh_i)
+                    .arg(&nkv_i)
+                    .arg(&hd_i)
+                    .arg(&positions)
                     .arg(&row_table)
                     .arg(&mb_i)
-                    .arg(&self.block_table)
+                    .arg(&tables)
                     .arg(&bs_i)
                     .arg(&l.k_cache)
                     .arg(&l.v_cache)
-                    .arg(&mut attn)
-                    .arg(&scale);
+                    .arg(&mut buf.act16)
+                    .arg(&scale)
+                    .arg(&max_keys_i);
                 let cfg = LaunchConfig {
-                    grid_dim: (n as u32, c.num_heads as u32, 1),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: (ctx * 4) as u32,
+                    grid_dim: (rows as u32, c.num_kv_heads as u32, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: self.attention_smem as u32,
                 };
-                unsafe { b.launch(cfg) }.map_err(gpu)?;
+                b.launch(cfg).map_err(gpu)?;
             }
-            to_bf16(&attn, &mut act16, n * qd)?;
-            self.gemm
-                .linear(&l.wo, &act16, &mut proj, h, qd, n)
-                .map_err(|e| ModelError::Gpu(e.to_string()))?;
+            // O projection added onto the residual stream.
+            gemm.linear_acc(&l.wo, &buf.act16, &mut buf.x, h, qd, rows, true)
+                .map_err(blas)?;
             if let Some(bo) = &l.bo {
-                bias(&mut proj, bo, n, h)?;
+                let (r, d) = (rows_i, h_i);
+                let mut b = s.launch_builder(&k.add_bias_rows);
+                b.arg(&mut buf.x).arg(bo).arg(&r).arg(&d);
+                unsafe { b.launch(elems(rows * h)) }.map_err(gpu)?;
             }
-            add(&mut x, &proj, n * h)?;
-            rms(&x, &l.ffn_norm, &mut normed, n)?;
-            to_bf16(&normed, &mut act16, n * h)?;
-            self.gemm
-                .linear(&l.w_gate_up, &act16, &mut gate_up, 2 * ffn, h, n)
-                .map_err(|e| ModelError::Gpu(e.to_string()))?;
-            {
-                let mut b = s.launch_builder(&k.swiglu);
-                b.arg(&gate_up).arg(&mut act).arg(&n_i).arg(&ffn_i);
-                unsafe { b.launch(LaunchConfig::for_num_elems((n * ffn) as u32)) }.map_err(gpu)?;
+            unsafe {
+                let mut b = s.launch_builder(&k.rms_norm_bf16);
+                b.arg(&buf.x)
+                    .arg(&null_rows)
+                    .arg(&l.ffn_norm)
+                    .arg(&mut buf.act16)
+                    .arg(&h_i)
+                    .arg(&eps);
+                b.launch(rows_cfg(rows, 128)).map_err(gpu)?;
             }
-            to_bf16(&act, &mut act16, n * ffn)?;
-            self.gemm
-                .linear(&l.w_down, &act16, &mut proj, h, ffn, n)
-                .map_err(|e| ModelError::Gpu(e.to_string()))?;
-            add(&mut x, &proj, n * h)?;
+            gemm.linear(&l.w_gate_up, &buf.act16, &mut buf.gate_up, 2 * ffn, h, rows)
+                .map_err(blas)?;
+            unsafe {
+                let mut b = s.launch_builder(&k.swiglu_bf16);
+                b.arg(&buf.gate_up)
+                    .arg(&mut buf.act16)
+                    .arg(&rows_i)
+                    .arg(&ffn_i);
+                b.launch(elems(rows * ffn)).map_err(gpu)?;
+            }
+            gemm.linear_acc(&l.w_down, &buf.act16, &mut buf.x, h, ffn, rows, true)
+                .map_err(blas)?;
         }
-        rms(&x, &self.final_norm, &mut normed, n)?;
-        to_bf16(&normed, &mut act16, n * h)?;
-        let mut logits = s.alloc_zeros::<f32>(n * c.vocab_size).map_err(gpu)?;
+        // Final norm of the logits rows only, LM head, greedy ids (none for a prefill chunk that
+        // needs no logits).
+        if n_logits == 0 {
+            return Ok(());
+        }
+        unsafe {
+            let mut b = s.launch_builder(&k.rms_norm_bf16);
+            b.arg(&buf.x)
+                .arg(&logit_rows)
+                .arg(&self.final_norm)
+                .arg(&mut buf.act16)
+                .arg(&h_i)
+                .arg(&eps);
+            b.launch(rows_cfg(n_logits, 128)).map_err(gpu)?;
+        }
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        self.gemm
-            .linear(head, &act16, &mut logits, c.vocab_size, h, n)
-            .map_err(|e| ModelError::Gpu(e.to_string()))?;
-        let out = s.clone_dtoh(&logits).map_err(gpu)?;
-        self.len += n;
-        Ok(out)
+        gemm.linear(head, &buf.act16, &mut buf.logits, c.vocab_size, h, n_logits)
+            .map_err(blas)?;
+        let vocab_i = c.vocab_size as i32;
+        unsafe {
+            let mut b = s.launch_builder(&k.argmax_rows);
+            b.arg(&buf.logits).arg(&vocab_i).arg(&mut buf.argmax);
+            b.launch(rows_cfg(n_logits, 1024)).map_err(gpu)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_pad_to_a_power_of_two_within_the_sequence_limit() {
+        assert_eq!(batch_bucket(1, 8), 1);
+        assert_eq!(batch_bucket(3, 8), 4);
+        assert_eq!(batch_bucket(8, 8), 8);
+        // A limit that is no power of two is a bucket of its own.
+        assert_eq!(batch_bucket(5, 6), 6);
+        assert_eq!(batch_bucket(6, 6), 6);
+    }
+
+    #[test]
+    fn input_sections_do_not_overlap() {
+        let l = InputLayout::new(64, 4, 10);
+        let starts = [
+            l.tokens,
+            l.positions,
+            l.slots,
+            l.row_table,
+            l.logit_rows,
+            l.block_tables,
+        ];
+        assert!(starts.windows(2).all(|w| w[1] - w[0] == 64));
+        assert_eq!(l.len, l.block_tables + 4 * 10);
     }
 }

@@ -9,6 +9,7 @@ pub mod gguf_source;
 pub mod gpu;
 pub mod kv_cache;
 pub mod loader;
+pub mod random;
 pub mod source;
 pub mod tokenizer;
 pub mod transformer;

@@ -250,7 +250,7 @@ fn main() -> Result<()> {
     );
 
     // cuBLAS linear layer: bf16 weights x bf16 activations, f32 accumulate and output.
-    let gemm = Gemm::new(s.clone())?;
+    let gemm = Gemm::new(&dev)?;
     let (rows, cols, n) = (4864usize, 1536usize, 8usize);
     let wf = random(&mut rng, rows * cols);
     let w = Matrix::from_f32_as_bf16(rows, cols, &wf);

@@ -1,24 +1,135 @@
-//! Linear layers on cuBLAS: bf16 weights (row-major `[rows, cols]`, one output feature per row, the
-//! same layout as `Matrix`) times bf16 activations, accumulated and written in f32.
+//! Linear layers: bf16 weights (row-major `[rows, cols]`, one output feature per row, the same layout as
+//! `Matrix`) times bf16 activations, accumulated and written in f32. Two backends:
+//!
+//! - cuBLAS `GemmEx`, for any shape;
+//! - `skinny_linear_m{8,16,32,64}` (decoder.cu), tensor-core kernels for decode/verify shapes (at most
+//!   64 activation rows) that read each weight once for all rows with 16-byte loads. cuBLAS spends
+//!   ~16 us on a 12 MB matrix at these shapes (v0.3b in NOTES.md), several times the bandwidth floor.
+//!
+//! Which one serves a (rows, cols, activation-row bucket) is measured, not assumed: `tune` times both
+//! on the device and remembers the faster; untuned skinny-capable shapes use the skinny kernel.
 
-use super::CudaError;
+use super::{CudaError, GpuDevice};
 use cudarc::cublas::{sys, CudaBlas};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
+use std::collections::HashMap;
 use std::sync::Arc;
+
+/// cuBLAS workspace set explicitly: inside CUDA-graph capture cuBLAS must not allocate.
+const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
+
+/// The largest activation-row count the skinny kernels take.
+pub const SKINNY_MAX_ROWS: usize = 64;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LinearBackend {
+    Cublas,
+    /// The skinny kernel with K split over `splits` blocks per 16 output rows (1 = no split).
+    Skinny {
+        splits: u32,
+    },
+}
+
+impl LinearBackend {
+    pub fn name(self) -> String {
+        match self {
+            LinearBackend::Cublas => "cublas".into(),
+            LinearBackend::Skinny { splits: 1 } => "skinny".into(),
+            LinearBackend::Skinny { splits } => format!("skinny split-K {splits}"),
+        }
+    }
+}
+
+/// K splits the tuner tries for the skinny kernel.
+const SPLITS: [u32; 4] = [1, 2, 4, 8];
+
+/// One tuning measurement: median times of cuBLAS and of the skinny kernel per K split for a shape,
+/// and the choice made.
+#[derive(Debug, Clone)]
+pub struct LinearChoice {
+    pub rows: usize,
+    pub cols: usize,
+    /// Activation rows timed (the bucket's upper end: 8, 16, 32 or 64).
+    pub tokens: usize,
+    pub cublas_us: f64,
+    /// (splits, median us) for each split tried.
+    pub skinny_us: Vec<(u32, f64)>,
+    pub backend: LinearBackend,
+}
 
 pub struct Gemm {
     blas: CudaBlas,
     stream: Arc<CudaStream>,
+    _workspace: CudaSlice<u8>,
+    /// skinny_linear_m8, m16, m32, m64.
+    skinny: [CudaFunction; 4],
+    choices: HashMap<(usize, usize, usize), LinearBackend>,
+}
+
+/// The skinny kernel's bucket for `n` activation rows (index into `Gemm::skinny` and its row count).
+fn skinny_bucket(n: usize) -> Option<(usize, usize)> {
+    match n {
+        1..=8 => Some((0, 8)),
+        9..=16 => Some((1, 16)),
+        17..=32 => Some((2, 32)),
+        33..=64 => Some((3, 64)),
+        _ => None,
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 impl Gemm {
-    pub fn new(stream: Arc<CudaStream>) -> Result<Gemm, CudaError> {
+    pub fn new(device: &GpuDevice) -> Result<Gemm, CudaError> {
+        let stream = device.stream.clone();
         let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Blas(format!("{e:?}")))?;
-        Ok(Gemm { blas, stream })
+        let mut workspace = stream.alloc_zeros::<u8>(CUBLAS_WORKSPACE_BYTES)?;
+        {
+            let (wp, _w) = workspace.device_ptr_mut(&stream);
+            // SAFETY: a live device buffer of the given size, owned by this Gemm for the handle's life.
+            let status = unsafe {
+                sys::cublasSetWorkspace_v2(*blas.handle(), wp as *mut _, CUBLAS_WORKSPACE_BYTES)
+            };
+            if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                return Err(CudaError::Blas(format!("cublasSetWorkspace: {status:?}")));
+            }
+        }
+        Ok(Gemm {
+            blas,
+            stream,
+            _workspace: workspace,
+            skinny: [
+                device.function("skinny_linear_m8")?,
+                device.function("skinny_linear_m16")?,
+                device.function("skinny_linear_m32")?,
+                device.function("skinny_linear_m64")?,
+            ],
+            choices: HashMap::new(),
+        })
     }
 
-    /// `out[t, r] = sum_c w[r, c] * x[t, c]` for `t < n`. In cuBLAS's column-major terms the weight is a
-    /// `cols x rows` matrix used transposed, the activations `cols x n`, the output `rows x n`.
+    /// Whether the skinny kernel can compute this shape.
+    pub fn skinny_fits(cols: usize, n: usize) -> bool {
+        cols.is_multiple_of(32) && skinny_bucket(n).is_some()
+    }
+
+    /// The backend `linear` uses for this shape.
+    pub fn backend_for(&self, rows: usize, cols: usize, n: usize) -> LinearBackend {
+        match skinny_bucket(n) {
+            Some((_, bucket)) if Self::skinny_fits(cols, n) => *self
+                .choices
+                .get(&(rows, cols, bucket))
+                .unwrap_or(&LinearBackend::Skinny { splits: 1 }),
+            _ => LinearBackend::Cublas,
+        }
+    }
+
+    /// `out[t, r] = sum_c w[r, c] * x[t, c]` for `t < n`.
     #[allow(clippy::too_many_arguments)]
     pub fn linear(
         &self,
@@ -29,6 +140,38 @@ impl Gemm {
         cols: usize,
         n: usize,
     ) -> Result<(), CudaError> {
+        self.linear_acc(w, x, out, rows, cols, n, false)
+    }
+
+    /// As `linear`; with `accumulate` the product is added to `out` (a fused residual add).
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_acc(
+        &self,
+        w: &CudaSlice<u16>,
+        x: &CudaSlice<u16>,
+        out: &mut CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+        n: usize,
+        accumulate: bool,
+    ) -> Result<(), CudaError> {
+        let backend = self.backend_for(rows, cols, n);
+        self.linear_with(backend, w, x, out, rows, cols, n, accumulate)
+    }
+
+    /// `linear_acc` on a chosen backend (tests and tuning).
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_with(
+        &self,
+        backend: LinearBackend,
+        w: &CudaSlice<u16>,
+        x: &CudaSlice<u16>,
+        out: &mut CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+        n: usize,
+        accumulate: bool,
+    ) -> Result<(), CudaError> {
         if w.len() < rows * cols || x.len() < n * cols || out.len() < n * rows {
             return Err(CudaError::Shape(format!(
                 "linear {rows}x{cols} on {n} rows: buffers of {}, {}, {} elements are too small",
@@ -37,12 +180,68 @@ impl Gemm {
                 out.len()
             )));
         }
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        match backend {
+            LinearBackend::Cublas => self.cublas(w, x, out, rows, cols, n, accumulate),
+            LinearBackend::Skinny { splits } => {
+                let (kernel, _) = skinny_bucket(n)
+                    .filter(|_| cols.is_multiple_of(32))
+                    .ok_or_else(|| {
+                        CudaError::Shape(format!(
+                            "skinny linear needs 1..={SKINNY_MAX_ROWS} rows and cols % 32 == 0, got {n} rows, {cols} cols"
+                        ))
+                    })?;
+                let splits = splits.clamp(1, (cols / 32) as u32);
+                if splits > 1 && !accumulate {
+                    // Split blocks add into the output: start from zeros.
+                    self.stream.memset_zeros(&mut out.slice_mut(..n * rows))?;
+                }
+                let (r, c, m, acc, sp) = (
+                    rows as i32,
+                    cols as i32,
+                    n as i32,
+                    accumulate as i32,
+                    splits as i32,
+                );
+                let mut b = self.stream.launch_builder(&self.skinny[kernel]);
+                b.arg(w)
+                    .arg(x)
+                    .arg(out)
+                    .arg(&r)
+                    .arg(&c)
+                    .arg(&m)
+                    .arg(&acc)
+                    .arg(&sp);
+                let cfg = LaunchConfig {
+                    grid_dim: (rows.div_ceil(16) as u32, splits, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: buffer sizes checked above; arguments in skinny_linear_m*'s order and types.
+                unsafe { b.launch(cfg) }?;
+                Ok(())
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn cublas(
+        &self,
+        w: &CudaSlice<u16>,
+        x: &CudaSlice<u16>,
+        out: &mut CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+        n: usize,
+        accumulate: bool,
+    ) -> Result<(), CudaError> {
+        // Column-major terms: the weight is a `cols x rows` matrix used transposed, the activations
+        // `cols x n`, the output `rows x n`.
+        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         let (wp, _w) = w.device_ptr(&self.stream);
         let (xp, _x) = x.device_ptr(&self.stream);
         let (op, _o) = out.device_ptr_mut(&self.stream);
-        // SAFETY: the pointers are live device buffers of at least the sizes checked above, on the
-        // stream the handle was created with.
+        // SAFETY: the pointers are live device buffers of at least the sizes checked by the caller, on
+        // the stream the handle was created with.
         unsafe {
             cudarc::cublas::result::gemm_ex(
                 *self.blas.handle(),
@@ -67,5 +266,83 @@ impl Gemm {
             )
         }
         .map_err(|e| CudaError::Blas(format!("{e:?}")))
+    }
+
+    /// Times cuBLAS and the skinny kernel (each K split) on weights of shape `rows x cols` for each
+    /// activation-row bucket in `tokens` (CUDA events, median of `reps` launches after a warm-up) and
+    /// remembers the fastest. Each launch takes the next matrix of `weights` (e.g. every layer's), so
+    /// that, as in a real step, the weights mostly come from memory rather than from the L2 cache.
+    /// Must not run during graph capture.
+    pub fn tune(
+        &mut self,
+        weights: &[&CudaSlice<u16>],
+        rows: usize,
+        cols: usize,
+        tokens: &[usize],
+        reps: usize,
+    ) -> Result<Vec<LinearChoice>, CudaError> {
+        if weights.is_empty() {
+            return Ok(Vec::new());
+        }
+        let s = self.stream.clone();
+        let mut out = Vec::new();
+        let max_n = tokens.iter().copied().max().unwrap_or(0);
+        if max_n == 0 {
+            return Ok(out);
+        }
+        // Activations: a fixed non-zero bf16 pattern (timing only; zeros can run faster).
+        let x_host: Vec<u16> = (0..max_n * cols)
+            .map(|i| 0x3c00u16 + (i % 251) as u16)
+            .collect();
+        let x = s.clone_htod(&x_host)?;
+        let mut y = s.alloc_zeros::<f32>(max_n * rows)?;
+        let ctx = s.context().clone();
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let (start, end) = (ctx.new_event(flags)?, ctx.new_event(flags)?);
+        for &n in tokens {
+            if !Self::skinny_fits(cols, n) {
+                continue;
+            }
+            let mut next = 0usize;
+            let mut time = |backend| -> Result<f64, CudaError> {
+                for w in weights.iter().take(3) {
+                    self.linear_with(backend, w, &x, &mut y, rows, cols, n, false)?;
+                }
+                let mut samples = Vec::with_capacity(reps);
+                for _ in 0..reps.max(1) {
+                    let w = weights[next % weights.len()];
+                    next += 1;
+                    start.record(&s)?;
+                    self.linear_with(backend, w, &x, &mut y, rows, cols, n, false)?;
+                    end.record(&s)?;
+                    samples.push(start.elapsed_ms(&end)? as f64 * 1e3);
+                }
+                Ok(median(samples))
+            };
+            let cublas_us = time(LinearBackend::Cublas)?;
+            let mut skinny_us = Vec::new();
+            let (mut backend, mut best) = (LinearBackend::Cublas, cublas_us);
+            for splits in SPLITS {
+                if splits as usize > cols / 32 {
+                    continue;
+                }
+                let us = time(LinearBackend::Skinny { splits })?;
+                skinny_us.push((splits, us));
+                if us < best {
+                    (backend, best) = (LinearBackend::Skinny { splits }, us);
+                }
+            }
+            let bucket = skinny_bucket(n).map_or(n, |(_, b)| b);
+            self.choices.insert((rows, cols, bucket), backend);
+            out.push(LinearChoice {
+                rows,
+                cols,
+                tokens: n,
+                cublas_us,
+                skinny_us,
+                backend,
+            });
+        }
+        Ok(out)
     }
 }

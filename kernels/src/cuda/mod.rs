@@ -6,7 +6,7 @@
 
 mod gemm;
 pub mod sampling;
-pub use gemm::Gemm;
+pub use gemm::{Gemm, LinearBackend, LinearChoice, SKINNY_MAX_ROWS};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
@@ -37,6 +37,16 @@ pub const DECODER_KERNELS: &[&str] = &[
     "attention",
     "swiglu",
     "argmax_rows",
+    "fill_random_bf16",
+    "fill_random_f32",
+    "rms_norm_bf16",
+    "rope_kv_append",
+    "attention_gqa",
+    "swiglu_bf16",
+    "skinny_linear_m8",
+    "skinny_linear_m16",
+    "skinny_linear_m32",
+    "skinny_linear_m64",
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -155,7 +165,8 @@ impl GpuDevice {
         for k in DECODER_KERNELS {
             module.load_function(k)?;
         }
-        let stream = ctx.default_stream();
+        // A stream of its own: the legacy default stream cannot be captured into a CUDA graph.
+        let stream = ctx.new_stream()?;
         Ok(GpuDevice {
             name: ctx.name()?,
             ctx,
