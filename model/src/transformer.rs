@@ -66,7 +66,12 @@ impl ForwardOutput {
     }
 }
 
-fn shape_check(src: &dyn TensorSource, name: &str, expected: &[usize]) -> Result<(), ModelError> {
+/// Fails with `MissingTensor` or `ShapeMismatch` unless `name` exists with shape `expected`.
+pub fn shape_check(
+    src: &dyn TensorSource,
+    name: &str,
+    expected: &[usize],
+) -> Result<(), ModelError> {
     let found = src
         .shape(name)
         .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
@@ -80,12 +85,14 @@ fn shape_check(src: &dyn TensorSource, name: &str, expected: &[usize]) -> Result
     Ok(())
 }
 
-fn load_vector(src: &dyn TensorSource, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
+/// A 1-D f32 tensor of length `len`, shape-checked.
+pub fn load_vector(src: &dyn TensorSource, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
     shape_check(src, name, &[len])?;
     Ok(src.read(name, false)?.into_f32())
 }
 
-fn load_matrix(
+/// A `[rows, cols]` weight matrix, shape-checked; `WeightDtype::Auto` keeps the file's dtype.
+pub fn load_matrix(
     src: &dyn TensorSource,
     name: &str,
     rows: usize,

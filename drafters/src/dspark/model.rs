@@ -7,8 +7,8 @@ use super::config::DSparkConfig;
 use crate::DraftError;
 use specula_kernels::cpu::{self, KvSource, RopeLayout};
 use specula_kernels::Matrix;
-use specula_model::source::TensorValues;
-use specula_model::{ModelError, SafetensorsSource, TensorSource, Transformer};
+use specula_model::transformer;
+use specula_model::{ModelError, SafetensorsSource, TensorSource, Transformer, WeightDtype};
 use std::path::Path;
 
 struct DraftLayer {
@@ -112,23 +112,11 @@ pub struct BlockOutput {
 }
 
 fn shape_check(src: &dyn TensorSource, name: &str, expected: &[usize]) -> Result<(), DraftError> {
-    let found = src
-        .shape(name)
-        .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
-    if found != expected {
-        return Err(ModelError::ShapeMismatch {
-            name: name.to_string(),
-            expected: expected.to_vec(),
-            found,
-        }
-        .into());
-    }
-    Ok(())
+    Ok(transformer::shape_check(src, name, expected)?)
 }
 
 fn vector(src: &dyn TensorSource, name: &str, len: usize) -> Result<Vec<f32>, DraftError> {
-    shape_check(src, name, &[len])?;
-    Ok(src.read(name, false)?.into_f32())
+    Ok(transformer::load_vector(src, name, len)?)
 }
 
 /// Keeps the file's dtype (bf16 stays bf16, f32 stays exact).
@@ -138,11 +126,13 @@ fn matrix(
     rows: usize,
     cols: usize,
 ) -> Result<Matrix, DraftError> {
-    shape_check(src, name, &[rows, cols])?;
-    Ok(match src.read(name, true)? {
-        TensorValues::F32(v) => Matrix::from_f32(rows, cols, v),
-        TensorValues::Bf16(v) => Matrix::new(rows, cols, specula_kernels::MatrixData::Bf16(v)),
-    })
+    Ok(transformer::load_matrix(
+        src,
+        name,
+        rows,
+        cols,
+        WeightDtype::Auto,
+    )?)
 }
 
 /// Stacks matrices with the same column count (all f32 or all bf16 after conversion).
