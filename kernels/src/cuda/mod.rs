@@ -5,8 +5,10 @@
 //! the fallback.
 
 mod gemm;
+pub mod launch;
 pub mod sampling;
 pub use gemm::{Gemm, LinearBackend, LinearChoice, SKINNY_MAX_ROWS};
+pub use launch::{launch, KernelArg};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
@@ -47,6 +49,12 @@ pub const DECODER_KERNELS: &[&str] = &[
     "skinny_linear_m16",
     "skinny_linear_m32",
     "skinny_linear_m64",
+    "skinny_linear_swiglu_m8",
+    "skinny_linear_swiglu_m16",
+    "skinny_linear_swiglu_m32",
+    "skinny_linear_swiglu_m64",
+    "interleave_gate_up",
+    "swiglu_bf16_paired",
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -143,6 +151,10 @@ pub struct GpuDevice {
     pub module: Arc<CudaModule>,
     pub name: String,
     pub arch: String,
+    /// Programmatic dependent launch for the step's own kernels (sm_90+ and `SPECULA_PDL=1`).
+    pub pdl: bool,
+    /// Whether the device can do programmatic dependent launch at all (sm_90+).
+    pub pdl_capable: bool,
 }
 
 impl GpuDevice {
@@ -168,6 +180,8 @@ impl GpuDevice {
         // A stream of its own: the legacy default stream cannot be captured into a CUDA graph.
         let stream = ctx.new_stream()?;
         Ok(GpuDevice {
+            pdl: launch::pdl_supported(major),
+            pdl_capable: major >= 9,
             name: ctx.name()?,
             ctx,
             stream,
