@@ -22,7 +22,7 @@ use anyhow::{Context, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
-use specula_model::gpu::{GpuOptions, GpuSeqInput, GpuTransformer, StepAblation};
+use specula_model::gpu::{AttentionKernel, GpuOptions, GpuSeqInput, GpuTransformer, StepAblation};
 use specula_model::loader::load;
 use specula_model::random::preset;
 use specula_model::WeightDtype;
@@ -177,16 +177,16 @@ fn step_profile(
             },
         ),
         (
-            "RMSNorms launched twice",
+            "attention always split-key (attention_split)",
             StepAblation {
-                double_norms: true,
+                attention: AttentionKernel::Split,
                 ..Default::default()
             },
         ),
         (
-            "attention smem sized for 512 keys",
+            "attention always one block per row over every key (attention_gqa)",
             StepAblation {
-                attention_smem_512: true,
+                attention: AttentionKernel::WholeRow,
                 ..Default::default()
             },
         ),
@@ -195,6 +195,9 @@ fn step_profile(
     let mut rows = Vec::new();
     let mut full = f64::NAN;
     for (name, ab) in variants {
+        if ab.attention == AttentionKernel::WholeRow && !gpu.whole_row_attention_available() {
+            continue;
+        }
         gpu.set_ablation(StepAblation::default());
         let seqs: Vec<usize> = (0..b)
             .map(|_| gpu.add_sequence())

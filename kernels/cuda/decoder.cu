@@ -689,3 +689,191 @@ extern "C" __global__ void swiglu_bf16_paired(const float* gate_up, unsigned sho
         out[i] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
     }
 }
+
+// ---------------------------------------------------------------------------------------------------
+// Split-key causal GQA attention (flash-decoding) for decode/verify/prefill rows over the paged cache.
+// attention_gqa above runs one block per (row, KV head) over every key: at ~260 keys that block is a
+// chain of dependent load rounds (~21 us per layer on the H200, a quarter of the llama3.2-1b step).
+// Here block (row, KV head, split) takes one slice of the row's keys; the number of slices depends only
+// on the row's own key count (S = min(ATTN_MAX_SPLITS, ceil(keys / ATTN_SPLIT_KEYS)), slices of
+// ceil(keys / S)), never on what else is in the launch. The host runs this kernel only for launches
+// whose whole-row blocks would leave most SMs idle (gpu.rs `whole_row_attention_for`); larger launches
+// already fill the GPU with attention_gqa blocks, where splitting only adds blocks and a combine pass.
+// Blocks past S exit at once (the grid is fixed for CUDA graphs). Inside a block keys go in tiles of 256:
+// thread j scores key j for the G query heads of the KV head; one warp per head keeps a running max and
+// sum (online softmax); p * v is summed by (key lane, 4-dim quad) threads with 16-byte loads. Each slice
+// writes its unnormalised output, max and sum to `partials`; the last slice to finish (a counter per
+// (row, KV head), reset by that block so graph replays start from zero) combines the slices in slice
+// order and writes bf16. One slice writes its output directly.
+// Dynamic shared memory: (G * head_dim + G * 256 + 256 + 1024 * G + 24) floats. Requires G <= 8 and
+// head_dim a multiple of 32, at most 256. Grid: (rows, n_kv_heads, ATTN_MAX_SPLITS), block 256.
+#define ATTN_TILE 256
+#define ATTN_SPLIT_KEYS 128
+#define ATTN_MAX_SPLITS 4
+extern "C" __global__ void __launch_bounds__(SPECULA_ATTN_THREADS)
+attention_split(const float* qkv, int row_stride, int n_heads, int n_kv_heads, int head_dim,
+                const int* positions, const int* block_table_of_row, int max_blocks, const int* block_tables,
+                int block_size, const float* k_cache, const float* v_cache, unsigned short* out, float scale,
+                float* partials, unsigned int* counters) {
+    SPECULA_PDL_WAIT();
+    SPECULA_PDL_LAUNCH();
+    extern __shared__ __align__(16) float smem[];
+    __shared__ int last_s;
+    const int G = n_heads / n_kv_heads;
+    const int row = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, tid = threadIdx.x;
+    const int n_keys = positions[row] + 1;
+    const int n_splits = min(ATTN_MAX_SPLITS, (n_keys + ATTN_SPLIT_KEYS - 1) / ATTN_SPLIT_KEYS);
+    if (split >= n_splits) return;  // uniform over the block, before any barrier
+    const int per = (n_keys + n_splits - 1) / n_splits;
+    const int k_begin = split * per, k_end = min(n_keys, k_begin + per);
+    float* q_s = smem;                             // [G][head_dim], pre-scaled
+    float* p_s = q_s + G * head_dim;               // [G][ATTN_TILE]
+    int* slot_s = (int*)(p_s + G * ATTN_TILE);     // [ATTN_TILE]
+    float* part_s = (float*)(slot_s + ATTN_TILE);  // [1024 / head_dim][G][head_dim]
+    float* m_s = part_s + 1024 * G;                // [8] running max per head
+    float* l_s = m_s + 8;                          // [8] running sum per head
+    float* f_s = l_s + 8;                          // [8] this tile's rescale of the old sums
+    const int kv_dim = n_kv_heads * head_dim;
+    const float* q = qkv + (size_t)row * row_stride + (size_t)kvh * G * head_dim;
+    for (int i = tid; i < G * head_dim; i += SPECULA_ATTN_THREADS) q_s[i] = q[i] * scale;
+    if (tid < 8) {
+        m_s[tid] = SPECULA_NEG_INF;
+        l_s[tid] = 0.0f;
+    }
+    __syncthreads();
+    const int* table = block_tables + (size_t)block_table_of_row[row] * max_blocks;
+    const int d4 = head_dim / 4;
+    const int lanes = SPECULA_ATTN_THREADS / d4;
+    const int quad = tid % d4, lane_k = tid / d4;
+    const int warp = tid >> 5, lane = tid & 31;
+    float4 acc[8];
+#pragma unroll
+    for (int g = 0; g < 8; ++g) acc[g] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int t0 = k_begin; t0 < k_end; t0 += ATTN_TILE) {
+        const int nt = min(ATTN_TILE, k_end - t0);
+        if (tid < nt) {
+            int key = t0 + tid;
+            int slot = table[key / block_size] * block_size + key % block_size;
+            slot_s[tid] = slot;
+            const float4* k4 = (const float4*)(k_cache + (size_t)slot * kv_dim + kvh * head_dim);
+            float d[8];
+#pragma unroll
+            for (int g = 0; g < 8; ++g) d[g] = 0.0f;
+#pragma unroll 16
+            for (int c = 0; c < d4; ++c) {
+                float4 kk = k4[c];
+#pragma unroll
+                for (int g = 0; g < 8; ++g) {
+                    if (g < G) {
+                        float4 qq = ((const float4*)(q_s + g * head_dim))[c];
+                        d[g] += qq.x * kk.x + qq.y * kk.y + qq.z * kk.z + qq.w * kk.w;
+                    }
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < 8; ++g)
+                if (g < G) p_s[g * ATTN_TILE + tid] = d[g];
+        }
+        __syncthreads();
+        for (int g = warp; g < G; g += SPECULA_ATTN_THREADS / 32) {
+            float* p = p_s + g * ATTN_TILE;
+            float mt = SPECULA_NEG_INF;
+            for (int j = lane; j < nt; j += 32) mt = fmaxf(mt, p[j]);
+            for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
+            float m_old = m_s[g];
+            float m_new = fmaxf(m_old, mt);
+            float sum = 0.0f;
+            for (int j = lane; j < nt; j += 32) {
+                float e = expf(p[j] - m_new);
+                p[j] = e;
+                sum += e;
+            }
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            __syncwarp();
+            if (lane == 0) {
+                float f = m_old == SPECULA_NEG_INF ? 0.0f : expf(m_old - m_new);
+                f_s[g] = f;
+                l_s[g] = l_s[g] * f + sum;
+                m_s[g] = m_new;
+            }
+        }
+        __syncthreads();
+        const float* vbase = v_cache + kvh * head_dim + 4 * quad;
+#pragma unroll
+        for (int g = 0; g < 8; ++g) {
+            if (g < G) {
+                float f = f_s[g];
+                acc[g].x *= f;
+                acc[g].y *= f;
+                acc[g].z *= f;
+                acc[g].w *= f;
+            }
+        }
+#pragma unroll 4
+        for (int j = lane_k; j < nt; j += lanes) {
+            float4 v = *(const float4*)(vbase + (size_t)slot_s[j] * kv_dim);
+#pragma unroll
+            for (int g = 0; g < 8; ++g) {
+                if (g < G) {
+                    float p = p_s[g * ATTN_TILE + j];
+                    acc[g].x += p * v.x;
+                    acc[g].y += p * v.y;
+                    acc[g].z += p * v.z;
+                    acc[g].w += p * v.w;
+                }
+            }
+        }
+        __syncthreads();  // p_s and slot_s are rewritten by the next tile
+    }
+#pragma unroll
+    for (int g = 0; g < 8; ++g)
+        if (g < G) *(float4*)(part_s + (lane_k * G + g) * head_dim + 4 * quad) = acc[g];
+    __syncthreads();
+    const size_t out_base = (size_t)row * n_heads * head_dim + (size_t)kvh * G * head_dim;
+    if (n_splits == 1) {
+        for (int i = tid; i < G * head_dim; i += SPECULA_ATTN_THREADS) {
+            int g = i / head_dim, cc = i % head_dim;
+            float s = 0.0f;
+            for (int pp = 0; pp < lanes; ++pp) s += part_s[(pp * G + g) * head_dim + cc];
+            out[out_base + i] = f32_to_bf16(s / l_s[g]);
+        }
+        return;
+    }
+    // This slice's unnormalised output [G][head_dim], then max [G] and sum [G].
+    const int stride = G * (head_dim + 2);
+    const size_t rk = (size_t)row * n_kv_heads + kvh;
+    float* mine = partials + (rk * ATTN_MAX_SPLITS + split) * stride;
+    for (int i = tid; i < G * head_dim; i += SPECULA_ATTN_THREADS) {
+        int g = i / head_dim, cc = i % head_dim;
+        float s = 0.0f;
+        for (int pp = 0; pp < lanes; ++pp) s += part_s[(pp * G + g) * head_dim + cc];
+        mine[i] = s;
+    }
+    if (tid < G) {
+        mine[G * head_dim + tid] = m_s[tid];
+        mine[G * head_dim + G + tid] = l_s[tid];
+    }
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        unsigned int done = atomicAdd(counters + rk, 1u);
+        last_s = done == (unsigned int)(n_splits - 1);
+    }
+    __syncthreads();
+    if (!last_s) return;
+    __threadfence();
+    const float* all = partials + rk * ATTN_MAX_SPLITS * stride;
+    for (int i = tid; i < G * head_dim; i += SPECULA_ATTN_THREADS) {
+        int g = i / head_dim;
+        float m = SPECULA_NEG_INF;
+        for (int sp = 0; sp < n_splits; ++sp) m = fmaxf(m, __ldcg(all + sp * stride + G * head_dim + g));
+        float l = 0.0f, o = 0.0f;
+        for (int sp = 0; sp < n_splits; ++sp) {
+            float w = expf(__ldcg(all + sp * stride + G * head_dim + g) - m);
+            l += __ldcg(all + sp * stride + G * head_dim + G + g) * w;
+            o += __ldcg(all + sp * stride + i) * w;
+        }
+        out[out_base + i] = f32_to_bf16(o / l);
+    }
+    if (tid == 0) counters[rk] = 0u;
+}

@@ -34,6 +34,9 @@ fn gpu(e: impl Into<CudaError>) -> ModelError {
 
 /// Positions per KV block.
 pub const GPU_BLOCK_SIZE: usize = 16;
+/// attention_split's key slices per row (ATTN_MAX_SPLITS in decoder.cu).
+const ATTN_MAX_SPLITS: usize = 4;
+
 /// The most new tokens per sequence a captured step takes (a verify block of k = 15 drafts).
 pub const MAX_GRAPH_TOKENS: usize = 16;
 
@@ -113,11 +116,23 @@ pub struct StepAblation {
     pub skip_head: bool,
     /// Launch attention twice per layer (the second launch's time is the kernel's own cost).
     pub double_attention: bool,
-    /// Launch each RMSNorm twice.
-    pub double_norms: bool,
-    /// Size attention's shared memory for 512 keys instead of the model's context (valid only while
-    /// every sequence stays below 512 positions: tests whether the large carve-out costs time).
-    pub attention_smem_512: bool,
+    /// Which attention kernel every launch uses (default: chosen by launch size).
+    pub attention: AttentionKernel,
+}
+
+/// The step's attention kernel. `Auto` picks per launch from the number of blocks the whole-row
+/// kernel would run: split-key attention only while that leaves most SMs idle (decode and small
+/// verify batches), whole-row attention otherwise (H200, llama3.2-1b, 260 keys: split 1.41 vs
+/// whole-row 1.45 ms per step at 1 x 8 rows, but 2.48 vs 1.71 ms at 8 x 8 rows, where 512 whole-row
+/// blocks already fill the GPU and splitting only adds blocks and a combine pass).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum AttentionKernel {
+    #[default]
+    Auto,
+    /// attention_split for every launch.
+    Split,
+    /// attention_gqa for every launch (when the context fits its shared memory).
+    WholeRow,
 }
 
 struct GpuLayer {
@@ -141,7 +156,10 @@ struct Kernels {
     head_rms_norm: CudaFunction,
     add_bias_rows: CudaFunction,
     rope_kv_append: CudaFunction,
+    /// attention_split: the step's attention.
     attention: CudaFunction,
+    /// attention_gqa (one block per row over every key), for the step profile.
+    attention_whole_row: CudaFunction,
     swiglu_bf16: CudaFunction,
     argmax_rows: CudaFunction,
 }
@@ -154,6 +172,10 @@ struct StepBuffers {
     act16: CudaSlice<u16>,
     qkv: CudaSlice<f32>,
     gate_up: CudaSlice<f32>,
+    /// attention_split's per-slice outputs, `[rows, kv heads, ATTN_MAX_SPLITS, G * (head_dim + 2)]`.
+    attn_partials: CudaSlice<f32>,
+    /// attention_split's finished-slice counters per (row, KV head); zero between launches.
+    attn_counters: CudaSlice<u32>,
     /// SwiGLU output (the down projection's input), bf16 `[rows, ffn]`.
     ffn_act16: CudaSlice<u16>,
     logits: CudaSlice<f32>,
@@ -205,8 +227,10 @@ pub struct GpuTransformer {
     opts: GpuOptions,
     /// Blocks a sequence may hold (`max_positions / GPU_BLOCK_SIZE`, rounded up).
     max_blocks: usize,
-    /// Dynamic shared memory of the attention kernel.
+    /// Dynamic shared memory of attention_gqa (profile only).
     attention_smem: usize,
+    /// Dynamic shared memory of attention_split.
+    attention_split_smem: usize,
     /// The block padded rows write to (never part of a sequence).
     trash_block: u32,
     free_blocks: Vec<u32>,
@@ -220,6 +244,8 @@ pub struct GpuTransformer {
     /// Gate/up rows interleaved in groups of 8 so SwiGLU runs in the GEMM's epilogue (ffn % 8 == 0).
     paired_gate_up: bool,
     ablation: StepAblation,
+    /// Streaming multiprocessors (attention's kernel choice).
+    num_sms: usize,
     /// Set when a capture failed: later steps run directly (correct, slower) and reports say why.
     graph_error: Option<String>,
 }
@@ -312,7 +338,8 @@ impl GpuTransformer {
             head_rms_norm: f("head_rms_norm")?,
             add_bias_rows: f("add_bias_rows")?,
             rope_kv_append: f("rope_kv_append")?,
-            attention: f("attention_gqa")?,
+            attention: f("attention_split")?,
+            attention_whole_row: f("attention_gqa")?,
             swiglu_bf16: f("swiglu_bf16")?,
             argmax_rows: f("argmax_rows")?,
         };
@@ -323,24 +350,42 @@ impl GpuTransformer {
         let max_keys = max_blocks * GPU_BLOCK_SIZE;
         let attention_smem =
             4 * (group * c.head_dim + group * max_keys + max_keys + 1024 * group + 8);
+        let num_sms = device
+            .ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(gpu)? as usize;
         let smem_limit = device
             .ctx
             .attribute(
                 sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
             )
             .map_err(gpu)? as usize;
-        if attention_smem > smem_limit {
-            return Err(ModelError::InvalidRequest(format!(
-                "GPU attention for {} positions per sequence needs {attention_smem} bytes of shared memory, over the device's {smem_limit}: lower max_positions",
-                opts.max_positions
+        // attention_split's shared memory (decoder.cu): independent of the context length.
+        let attention_split_smem = 4 * (group * c.head_dim + group * 256 + 256 + 1024 * group + 24);
+        if attention_split_smem > smem_limit {
+            return Err(ModelError::Gpu(format!(
+                "GPU attention needs {attention_split_smem} bytes of shared memory, over the device's {smem_limit}; use the CPU backend"
             )));
         }
         k.attention
             .set_attribute(
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                attention_smem as i32,
+                attention_split_smem as i32,
             )
             .map_err(gpu)?;
+        // The whole-row kernel (step profile only) needs room for every key; without it the profile
+        // leaves that variant out.
+        let attention_smem = if attention_smem <= smem_limit {
+            k.attention_whole_row
+                .set_attribute(
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    attention_smem as i32,
+                )
+                .map_err(gpu)?;
+            attention_smem
+        } else {
+            0
+        };
         let num_blocks = opts.max_sequences * max_blocks;
         // One more block: the trash block padded rows write to.
         let cache_len = (num_blocks + 1) * GPU_BLOCK_SIZE * kvd;
@@ -548,6 +593,14 @@ impl GpuTransformer {
             qkv: s.alloc_zeros::<f32>(max_rows * width).map_err(gpu)?,
             gate_up: s.alloc_zeros::<f32>(max_rows * 2 * ffn).map_err(gpu)?,
             ffn_act16: s.alloc_zeros::<u16>(max_rows * ffn).map_err(gpu)?,
+            attn_partials: s
+                .alloc_zeros::<f32>(
+                    max_rows * c.num_kv_heads * ATTN_MAX_SPLITS * group * (c.head_dim + 2),
+                )
+                .map_err(gpu)?,
+            attn_counters: s
+                .alloc_zeros::<u32>(max_rows * c.num_kv_heads)
+                .map_err(gpu)?,
             logits: s
                 .alloc_zeros::<f32>(max_logit_rows * c.vocab_size)
                 .map_err(gpu)?,
@@ -565,6 +618,7 @@ impl GpuTransformer {
             inv_freq,
             max_blocks,
             attention_smem,
+            attention_split_smem,
             trash_block: num_blocks as u32,
             // Popped from the end: hand out low block numbers first.
             free_blocks: (0..num_blocks as u32).rev().collect(),
@@ -576,6 +630,7 @@ impl GpuTransformer {
             graphs: HashMap::new(),
             paired_gate_up,
             ablation: StepAblation::default(),
+            num_sms,
             graph_error: None,
             opts,
             config: c,
@@ -659,13 +714,34 @@ impl GpuTransformer {
         Ok(out)
     }
 
+    /// Whether the whole-row attention kernel fits this model's context in shared memory.
+    pub fn whole_row_attention_available(&self) -> bool {
+        self.attention_smem > 0
+    }
+
+    /// Whether a launch over `rows` rows runs whole-row attention (else split-key attention). Depends
+    /// only on the launch shape, so a captured graph keeps its kernel; a row's attention output is
+    /// therefore the same within one shape but may differ in the last bits between shapes that
+    /// choose differently (as with the GEMM choice per row bucket).
+    fn whole_row_attention_for(&self, rows: usize) -> bool {
+        if !self.whole_row_attention_available() {
+            return false;
+        }
+        match self.ablation.attention {
+            AttentionKernel::Split => false,
+            AttentionKernel::WholeRow => true,
+            AttentionKernel::Auto => 2 * rows * self.config.num_kv_heads > self.num_sms,
+        }
+    }
+
     /// Whether the gate/up projection runs with SwiGLU fused (its tuning rows include SwiGLU).
     pub fn fused_swiglu(&self) -> bool {
         self.paired_gate_up
     }
 
-    /// Leaves parts of the step out (timing only) or turns PDL off; drops captured graphs so the next
-    /// steps capture the variant. `StepAblation::default()` restores the real step.
+    /// Leaves parts of the step out (timing only), forces PDL on, or forces one attention kernel (the
+    /// outputs stay valid for that); drops captured graphs so the next steps capture the variant.
+    /// `StepAblation::default()` restores the real step.
     pub fn set_ablation(&mut self, ablation: StepAblation) {
         if ablation != self.ablation {
             self.ablation = ablation;
@@ -1046,6 +1122,7 @@ impl GpuTransformer {
         let ab = self.ablation;
         let pdl = self.device.pdl || (ab.force_pdl && self.device.pdl_capable);
         let paired = self.paired_gate_up;
+        let whole_row_attention = self.whole_row_attention_for(rows);
         let k = &self.k;
         let gemm = &self.gemm;
         let lay = self.layout;
@@ -1100,7 +1177,7 @@ impl GpuTransformer {
         for l in &mut self.layers {
             let norm =
                 |w: &CudaSlice<f32>| [x, KernelArg::null(), KernelArg::buf(w, s), act16, h_i, eps];
-            for _ in 0..(!ab.skip_norms as usize) * (1 + ab.double_norms as usize) {
+            if !ab.skip_norms {
                 go(&k.rms_norm_bf16, rows_cfg(rows, 256), &norm(&l.attn_norm))?;
             }
             if !ab.skip_layer_linears {
@@ -1143,38 +1220,43 @@ impl GpuTransformer {
                     ],
                 )?;
             }
-            let (attn_keys, attn_smem) = if ab.attention_smem_512 {
-                let g = c.num_heads / c.num_kv_heads;
-                (512, 4 * (g * hd + g * 512 + 512 + 1024 * g + 8))
-            } else {
-                (self.max_blocks * GPU_BLOCK_SIZE, self.attention_smem)
-            };
             for _ in 0..(!ab.skip_attention as usize) * (1 + ab.double_attention as usize) {
-                go(
-                    &k.attention,
-                    LaunchConfig {
+                let common = [
+                    qkv,
+                    w_i,
+                    nh_i,
+                    nkv_i,
+                    hd_i,
+                    positions,
+                    row_table,
+                    KernelArg::i32(self.max_blocks as i32),
+                    tables,
+                    KernelArg::i32(GPU_BLOCK_SIZE as i32),
+                    KernelArg::buf(&l.k_cache, s),
+                    KernelArg::buf(&l.v_cache, s),
+                    act16,
+                    scale,
+                ];
+                if whole_row_attention {
+                    let mut args = common.to_vec();
+                    args.push(KernelArg::i32((self.max_blocks * GPU_BLOCK_SIZE) as i32));
+                    let cfg = LaunchConfig {
                         grid_dim: (rows as u32, c.num_kv_heads as u32, 1),
                         block_dim: (256, 1, 1),
-                        shared_mem_bytes: attn_smem as u32,
-                    },
-                    &[
-                        qkv,
-                        w_i,
-                        nh_i,
-                        nkv_i,
-                        hd_i,
-                        positions,
-                        row_table,
-                        KernelArg::i32(self.max_blocks as i32),
-                        tables,
-                        KernelArg::i32(GPU_BLOCK_SIZE as i32),
-                        KernelArg::buf(&l.k_cache, s),
-                        KernelArg::buf(&l.v_cache, s),
-                        act16,
-                        scale,
-                        KernelArg::i32(attn_keys as i32),
-                    ],
-                )?;
+                        shared_mem_bytes: self.attention_smem as u32,
+                    };
+                    go(&k.attention_whole_row, cfg, &args)?;
+                } else {
+                    let mut args = common.to_vec();
+                    args.push(KernelArg::buf(&buf.attn_partials, s));
+                    args.push(KernelArg::buf(&buf.attn_counters, s));
+                    let cfg = LaunchConfig {
+                        grid_dim: (rows as u32, c.num_kv_heads as u32, ATTN_MAX_SPLITS as u32),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: self.attention_split_smem as u32,
+                    };
+                    go(&k.attention, cfg, &args)?;
+                }
             }
             // O projection added onto the residual stream.
             if !ab.skip_layer_linears {
@@ -1185,7 +1267,7 @@ impl GpuTransformer {
                 let args = [x, KernelArg::buf(bo, s), rows_i, h_i];
                 go(&k.add_bias_rows, elems(rows * h), &args)?;
             }
-            for _ in 0..(!ab.skip_norms as usize) * (1 + ab.double_norms as usize) {
+            if !ab.skip_norms {
                 go(&k.rms_norm_bf16, rows_cfg(rows, 256), &norm(&l.ffn_norm))?;
             }
             if ab.skip_layer_linears {

@@ -55,6 +55,7 @@ pub const DECODER_KERNELS: &[&str] = &[
     "skinny_linear_swiglu_m64",
     "interleave_gate_up",
     "swiglu_bf16_paired",
+    "attention_split",
 ];
 
 #[derive(Debug, thiserror::Error)]
