@@ -64,7 +64,12 @@ pub enum MarkovFailure {
 pub fn decode_markov_status(rec: &[i32]) -> Result<usize, MarkovFailure> {
     let (code, detail, slot, drafted) = match rec {
         [a, b, c, d, ..] => (*a, *b, (*c).max(0) as usize, *d),
-        _ => return Err(MarkovFailure::Unknown { code: -1, detail: -1 }),
+        _ => {
+            return Err(MarkovFailure::Unknown {
+                code: -1,
+                detail: -1,
+            })
+        }
     };
     match code {
         SPL_OK if drafted >= 0 => Ok(drafted as usize),
