@@ -10,7 +10,7 @@ pub mod speculative;
 pub mod stats;
 
 pub use config::{SpeculativeConfig, SpeculativeMethod};
-pub use drafter_factory::build_drafter;
+pub use drafter_factory::{build_drafter, build_drafter_on, DrafterDevice};
 pub use generate::{generate, FinishReason, GenerationOutput, GenerationRequest};
 pub use golden::{GoldenAcceptance, GOLDEN_FORMAT};
 pub use scheduler::{Event, RequestId, Scheduler, SchedulerConfig, SchedulerTotals};

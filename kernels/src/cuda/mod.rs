@@ -4,6 +4,7 @@
 //! (cudarc panics on a missing library otherwise) and reports what is missing and that the CPU backend is
 //! the fallback.
 
+pub mod dspark;
 mod gemm;
 pub mod launch;
 pub mod sampling;
@@ -18,12 +19,23 @@ use std::sync::Arc;
 pub const KERNEL_SOURCES: &[(&str, &str)] = &[
     ("decoder.cu", include_str!("../../cuda/decoder.cu")),
     ("sampling.cu", include_str!("../../cuda/sampling.cu")),
+    // Appended to sampling.cu: the DSpark Markov loop calls its device functions (one NVRTC program,
+    // since the sources are embedded strings and NVRTC cannot link device code across programs here).
+    (
+        "dspark.cu",
+        concat!(
+            include_str!("../../cuda/sampling.cu"),
+            "\n",
+            include_str!("../../cuda/dspark.cu")
+        ),
+    ),
 ];
 
 /// The kernels each source must export, by file name (the compile test checks every one).
 pub const EXPORTED_KERNELS: &[(&str, &[&str])] = &[
     ("decoder.cu", DECODER_KERNELS),
     ("sampling.cu", sampling::SAMPLING_KERNELS),
+    ("dspark.cu", dspark::DSPARK_KERNELS),
 ];
 
 /// The kernels `decoder.cu` must export (checked at load so a rename fails at start, not mid-step).
