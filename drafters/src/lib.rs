@@ -34,6 +34,10 @@ pub enum DraftError {
     VocabularyMismatch(String),
     #[error("drafter configuration: {0}")]
     Config(String),
+    /// The CUDA backend failed (driver, kernel launch, capacity), or was asked for on a build or a
+    /// machine without it.
+    #[error("GPU drafter: {0}")]
+    Gpu(String),
 }
 
 /// What one sequence asks of the drafter in one step.

@@ -10,6 +10,29 @@ use specula_model::loader::{load, LoadedModel};
 use specula_model::WeightDtype;
 use std::path::{Path, PathBuf};
 
+/// Where a drafter's network runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DrafterDevice {
+    #[default]
+    Cpu,
+    /// GPU 0 (DSpark only; needs the crate feature `cuda` and a CUDA driver). Capacities of the
+    /// drafter's device context: sequences held at once, and positions per sequence.
+    Cuda {
+        max_sequences: usize,
+        max_context: usize,
+    },
+}
+
+impl DrafterDevice {
+    /// The GPU with the GPU DSpark drafter's default capacities (8 sequences, 4096 positions).
+    pub fn cuda() -> DrafterDevice {
+        DrafterDevice::Cuda {
+            max_sequences: 8,
+            max_context: 4096,
+        }
+    }
+}
+
 /// The drafter for `spec` against `target`, or `None` for plain decoding. Draft models are loaded
 /// with `dtype`; DSpark checkpoints keep their own dtype (they are small).
 pub fn build_drafter(
@@ -17,14 +40,37 @@ pub fn build_drafter(
     target: &LoadedModel,
     dtype: WeightDtype,
 ) -> Result<Option<Box<dyn Drafter>>, EngineError> {
-    let model_path = || -> Result<PathBuf, EngineError> {
-        spec.model.as_deref().map(PathBuf::from).ok_or_else(|| {
-            EngineError::InvalidRequest(format!(
-                "method {:?} needs a model path (\"model\")",
-                spec.method
-            ))
-        })
-    };
+    build_drafter_on(spec, target, dtype, DrafterDevice::Cpu)
+}
+
+/// `build_drafter` with the drafter's network on `device`. On the GPU, DSpark runs its block pass
+/// and Markov loop there (`DSparkDrafter::to_gpu`); n-gram lookup has no network and stays on the
+/// CPU; an independent draft model has no GPU backend yet and is refused rather than silently run on
+/// the CPU.
+pub fn build_drafter_on(
+    spec: &SpeculativeConfig,
+    target: &LoadedModel,
+    dtype: WeightDtype,
+    device: DrafterDevice,
+) -> Result<Option<Box<dyn Drafter>>, EngineError> {
+    if let DrafterDevice::Cuda {
+        max_sequences,
+        max_context,
+    } = device
+    {
+        return match spec.method {
+            SpeculativeMethod::None | SpeculativeMethod::Ngram => {
+                build_drafter_on(spec, target, dtype, DrafterDevice::Cpu)
+            }
+            SpeculativeMethod::DraftModel => Err(EngineError::InvalidRequest(
+                "the draft_model drafter has no GPU backend yet; run it on the CPU".into(),
+            )),
+            SpeculativeMethod::Dspark => {
+                let d = load_dspark_for(&model_path(spec)?, target, spec.num_speculative_tokens)?;
+                Ok(Some(dspark_on_gpu(d, max_sequences, max_context)?))
+            }
+        };
+    }
     Ok(match spec.method {
         SpeculativeMethod::None => None,
         SpeculativeMethod::Ngram => Some(Box::new(NgramDrafter::new(
@@ -32,7 +78,7 @@ pub fn build_drafter(
             spec.prompt_lookup_max,
         ))),
         SpeculativeMethod::DraftModel => {
-            let path = model_path()?;
+            let path = model_path(spec)?;
             let draft = load(&path, dtype).map_err(|e| {
                 EngineError::Drafter(format!("loading draft model {}: {e}", path.display()))
             })?;
@@ -46,11 +92,46 @@ pub fn build_drafter(
             Some(Box::new(ModelDrafter::new(draft.model)))
         }
         SpeculativeMethod::Dspark => Some(Box::new(load_dspark_for(
-            &model_path()?,
+            &model_path(spec)?,
             target,
             spec.num_speculative_tokens,
         )?)),
     })
+}
+
+fn model_path(spec: &SpeculativeConfig) -> Result<PathBuf, EngineError> {
+    spec.model.as_deref().map(PathBuf::from).ok_or_else(|| {
+        EngineError::InvalidRequest(format!(
+            "method {:?} needs a model path (\"model\")",
+            spec.method
+        ))
+    })
+}
+
+#[cfg(feature = "cuda")]
+fn dspark_on_gpu(
+    d: DSparkDrafter,
+    max_sequences: usize,
+    max_context: usize,
+) -> Result<Box<dyn Drafter>, EngineError> {
+    let opts = specula_drafters::dspark::gpu::GpuDSparkOptions {
+        max_sequences,
+        max_context,
+        ..Default::default()
+    };
+    let d = d
+        .on_gpu(opts)
+        .map_err(|e| EngineError::Drafter(format!("DSpark drafter on the GPU: {e}")))?;
+    Ok(Box::new(d))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn dspark_on_gpu(_: DSparkDrafter, _: usize, _: usize) -> Result<Box<dyn Drafter>, EngineError> {
+    Err(EngineError::InvalidRequest(
+        "this build has no CUDA backend (enable the specula-engine feature `cuda`); \
+         run the drafter on the CPU"
+            .into(),
+    ))
 }
 
 /// Loads a DSpark drafter directory (`config.json` + `model.safetensors`, DeepSpec layout) for

@@ -13,7 +13,7 @@ pub mod stats;
 pub mod target;
 
 pub use config::{AdditionalConfig, DecodeBackend, Device, SpeculativeConfig, SpeculativeMethod};
-pub use drafter_factory::build_drafter;
+pub use drafter_factory::{build_drafter, build_drafter_on, DrafterDevice};
 pub use generate::{generate, FinishReason, GenerationOutput, GenerationRequest};
 pub use golden::{GoldenAcceptance, GOLDEN_FORMAT};
 pub use scheduler::{

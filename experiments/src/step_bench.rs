@@ -22,7 +22,7 @@ use anyhow::{Context, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
-use specula_model::gpu::{GpuOptions, GpuSeqInput, GpuTransformer};
+use specula_model::gpu::{AttentionKernel, GpuOptions, GpuSeqInput, GpuTransformer, StepAblation};
 use specula_model::loader::load;
 use specula_model::random::preset;
 use specula_model::WeightDtype;
@@ -97,7 +97,162 @@ pub struct StepBenchReport {
     pub linear_choices: Vec<LinearChoiceRow>,
     /// Why CUDA graphs were switched off, if a capture failed (then steps ran directly).
     pub graph_error: Option<String>,
+    /// Whether the gate/up projection ran with SwiGLU fused (its tuning rows then include SwiGLU).
+    pub fused_swiglu: bool,
     pub rows: Vec<StepRow>,
+    /// Where the step's device time goes: graph replays of step variants with one part left out.
+    pub profile: Vec<ProfileRow>,
+}
+
+/// One step variant of the profile (outputs meaningless when a part is skipped; timing only).
+#[derive(Debug, Clone, Serialize)]
+pub struct ProfileRow {
+    pub running_requests: usize,
+    pub tokens_per_seq: usize,
+    pub context: usize,
+    pub variant: &'static str,
+    pub graph_replay_ms_median: f64,
+    /// Full step minus this variant: the cost of the part left out (negative: the variant is slower).
+    pub part_ms: f64,
+}
+
+/// Device time per graph replay of each step variant at a fixed context (`context` cached positions
+/// per sequence, the step's T tokens on top, rolled back after every step).
+fn step_profile(
+    gpu: &mut GpuTransformer,
+    b: usize,
+    t: usize,
+    context: usize,
+    reps: usize,
+) -> Result<Vec<ProfileRow>> {
+    let variants: [(&'static str, StepAblation); 10] = [
+        ("full step", StepAblation::default()),
+        (
+            "with PDL",
+            StepAblation {
+                force_pdl: true,
+                ..Default::default()
+            },
+        ),
+        (
+            "without attention",
+            StepAblation {
+                skip_attention: true,
+                ..Default::default()
+            },
+        ),
+        (
+            "without RoPE + KV append",
+            StepAblation {
+                skip_rope_kv: true,
+                ..Default::default()
+            },
+        ),
+        (
+            "without the layers' RMSNorms",
+            StepAblation {
+                skip_norms: true,
+                ..Default::default()
+            },
+        ),
+        (
+            "without the layers' linears + SwiGLU",
+            StepAblation {
+                skip_layer_linears: true,
+                ..Default::default()
+            },
+        ),
+        (
+            "without final norm + LM head + argmax",
+            StepAblation {
+                skip_head: true,
+                ..Default::default()
+            },
+        ),
+        (
+            "attention launched twice",
+            StepAblation {
+                double_attention: true,
+                ..Default::default()
+            },
+        ),
+        (
+            "attention always split-key (attention_split)",
+            StepAblation {
+                attention: AttentionKernel::Split,
+                ..Default::default()
+            },
+        ),
+        (
+            "attention always one block per row over every key (attention_gqa)",
+            StepAblation {
+                attention: AttentionKernel::WholeRow,
+                ..Default::default()
+            },
+        ),
+    ];
+    let vocab = gpu.config().vocab_size as u32;
+    let mut rows = Vec::new();
+    let mut full = f64::NAN;
+    for (name, ab) in variants {
+        if ab.attention == AttentionKernel::WholeRow && !gpu.whole_row_attention_available() {
+            continue;
+        }
+        gpu.set_ablation(StepAblation::default());
+        let seqs: Vec<usize> = (0..b)
+            .map(|_| gpu.add_sequence())
+            .collect::<Result<_, _>>()?;
+        let prompt: Vec<u32> = (0..context as u32)
+            .map(|i| (i * 7919 + 13) % vocab)
+            .collect();
+        let inputs: Vec<GpuSeqInput> = seqs
+            .iter()
+            .map(|&seq| GpuSeqInput {
+                seq,
+                tokens: &prompt,
+                num_logits: 1,
+            })
+            .collect();
+        gpu.forward(&inputs)?;
+        gpu.set_ablation(ab);
+        let block: Vec<u32> = (0..t as u32).map(|i| (i * 31 + 5) % vocab).collect();
+        let inputs: Vec<GpuSeqInput> = seqs
+            .iter()
+            .map(|&seq| GpuSeqInput {
+                seq,
+                tokens: &block,
+                num_logits: t,
+            })
+            .collect();
+        for _ in 0..3 {
+            gpu.step_argmax(&inputs)?;
+            for &seq in &seqs {
+                gpu.truncate(seq, context)?;
+            }
+        }
+        let replays = gpu
+            .time_graph_replays(b, t, t, reps)?
+            .map(sorted)
+            .context("the profile's step shape has no graph")?;
+        let ms = percentile(&replays, 0.5);
+        if ab == StepAblation::default() {
+            full = ms;
+        }
+        for s in seqs {
+            gpu.remove_sequence(s)?;
+        }
+        eprintln!("profile B={b} T={t} {name}: {ms:.3} ms");
+        rows.push(ProfileRow {
+            running_requests: b,
+            tokens_per_seq: t,
+            context,
+            variant: name,
+            graph_replay_ms_median: ms,
+            part_ms: full - ms,
+        });
+    }
+    gpu.set_ablation(StepAblation::default());
+    Ok(rows)
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -379,6 +534,12 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
             rows.push(row);
         }
     }
+    let mut profile = Vec::new();
+    for &t in cfg.tokens_per_seq.iter().filter(|&&t| t > 1) {
+        for &b in cfg.batches.iter().filter(|&&b| b == 1 || b == 8) {
+            profile.extend(step_profile(&mut gpu, b, t, 256, cfg.replay_reps)?);
+        }
+    }
     let prov = crate::Provenance::collect();
     let git_revision = std::env::var("SPECULA_GIT_REVISION").unwrap_or(prov.git_revision);
     let report = StepBenchReport {
@@ -396,7 +557,9 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
         weight_floor_ms,
         linear_choices,
         graph_error: gpu.graph_error().map(str::to_string),
+        fused_swiglu: gpu.fused_swiglu(),
         rows,
+        profile,
     };
     write_report(&report)?;
     Ok(report)
@@ -470,6 +633,22 @@ graph replay = device time per replay, CUDA events around 10 replays queued back
                 c.cublas_us,
                 skinny.join(", "),
                 c.backend
+            ));
+        }
+    }
+    if r.fused_swiglu {
+        md.push_str("\nThe gate/up rows (2 x intermediate size) compare the fused gate/up + SwiGLU kernel (listed as skinny split 1) with cuBLAS followed by the SwiGLU kernel: both times include SwiGLU.\n");
+    }
+    if !r.profile.is_empty() {
+        md.push_str("\nWhere the step's device time goes (timing only): graph replays of the same step with one part left out, at 256 cached positions per sequence; part ms = full step - variant (the cost of that part, including its launch gaps).\n\n| running requests | tokens/seq | variant | graph-replay ms | part ms |\n|---:|---:|---|---:|---:|\n");
+        for p in &r.profile {
+            md.push_str(&format!(
+                "| {} | {} | {} | {:.3} | {:+.3} |\n",
+                p.running_requests,
+                p.tokens_per_seq,
+                p.variant,
+                p.graph_replay_ms_median,
+                p.part_ms
             ));
         }
     }

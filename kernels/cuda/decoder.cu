@@ -7,6 +7,18 @@
 // NVRTC has no math.h: -infinity by its bit pattern.
 #define SPECULA_NEG_INF __int_as_float(0xff800000)
 
+// Programmatic dependent launch (sm_90+; kernels/src/cuda/launch.rs has the contract). A kernel launched
+// with the PDL attribute may start while the previous kernel of the stream is still finishing: it must
+// not read that kernel's outputs, or write anything, before SPECULA_PDL_WAIT(), and it lets the next
+// kernel start with SPECULA_PDL_LAUNCH() after its own wait. Without the attribute both are no-ops.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+#define SPECULA_PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define SPECULA_PDL_LAUNCH() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define SPECULA_PDL_WAIT() do { } while (0)
+#define SPECULA_PDL_LAUNCH() do { } while (0)
+#endif
+
 __device__ __forceinline__ float bf16_to_f32(unsigned short h) {
     return __uint_as_float(((unsigned int)h) << 16);
 }
@@ -50,6 +62,8 @@ __device__ float block_max(float v, float* scratch) {
 
 // out[row, :] = table[ids[row], :] widened to f32. Grid: rows.
 extern "C" __global__ void embed_rows(const unsigned short* table, const unsigned int* ids, float* out, int dim) {
+    SPECULA_PDL_WAIT();
+    SPECULA_PDL_LAUNCH();
     const unsigned short* src = table + (size_t)ids[blockIdx.x] * dim;
     float* dst = out + (size_t)blockIdx.x * dim;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = bf16_to_f32(src[i]);
@@ -70,6 +84,8 @@ extern "C" __global__ void rms_norm(const float* x, const float* weight, float* 
 // Per-head RMSNorm in place on a strided slice of each row (Qwen3 q/k norms).
 // Grid: (rows, heads), block: SPECULA_BLOCK.
 extern "C" __global__ void head_rms_norm(float* x, int row_stride, int col_offset, const float* weight, int head_dim, float eps) {
+    SPECULA_PDL_WAIT();
+    SPECULA_PDL_LAUNCH();
     __shared__ float scratch[SPECULA_BLOCK];
     float* h = x + (size_t)blockIdx.x * row_stride + col_offset + blockIdx.y * head_dim;
     float ss = 0.0f;
@@ -84,6 +100,8 @@ extern "C" __global__ void f32_to_bf16_rows(const float* x, unsigned short* y, i
 
 // x[row, :] += bias. Grid-stride over rows * dim.
 extern "C" __global__ void add_bias_rows(float* x, const float* bias, int rows, int dim) {
+    SPECULA_PDL_WAIT();
+    SPECULA_PDL_LAUNCH();
     int n = rows * dim;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) x[i] += bias[i % dim];
 }
@@ -179,6 +197,8 @@ extern "C" __global__ void swiglu(const float* gate_up, float* out, int rows, in
 // of two up to 1024 (the step uses 1024: a 128k-entry row is then 125 loads per thread, unrolled so
 // several are in flight, instead of a thousand-long chain).
 extern "C" __global__ void argmax_rows(const float* logits, int vocab, unsigned int* out) {
+    SPECULA_PDL_WAIT();
+    SPECULA_PDL_LAUNCH();
     __shared__ float best_v[1024];
     __shared__ int best_i[1024];
     const float* r = logits + (size_t)blockIdx.x * vocab;
@@ -240,18 +260,67 @@ extern "C" __global__ void fill_random_f32(float* out, unsigned long long n, uns
 }
 
 // RMSNorm of row src_rows[blockIdx.x] (or blockIdx.x when src_rows is null) written as bf16: the input
-// of the next GEMM. Grid: output rows, block: SPECULA_BLOCK.
+// of the next GEMM. Grid: output rows, block: 256 threads (any multiple of 32 up to 1024 works).
+// Latency, not bandwidth, is its cost (a row is a few KB): every thread loads its float4s of the row and
+// of the weight at once into registers (the weight before the PDL wait), sums squares in a fixed order
+// (own elements, then a warp butterfly, then the warps' sums in order), and writes from the registers,
+// so the row is read once in one round of loads. Rows longer than 32 float4s per thread, or not a
+// multiple of 4, take a plain strided loop.
+#define SPECULA_NORM_VEC 8
 extern "C" __global__ void rms_norm_bf16(const float* x, const int* src_rows, const float* weight,
                                          unsigned short* out, int dim, float eps) {
-    __shared__ float scratch[SPECULA_BLOCK];
+    __shared__ float warp_sums[32];
+    const int tid = threadIdx.x, nt = blockDim.x;
+    const int d4 = dim / 4;
+    const bool vec = (dim % 4 == 0) && d4 <= SPECULA_NORM_VEC * nt;
+    float4 wv[SPECULA_NORM_VEC], xv[SPECULA_NORM_VEC];
+    if (vec) {
+#pragma unroll
+        for (int u = 0; u < SPECULA_NORM_VEC; ++u) {
+            int i = tid + u * nt;
+            if (i < d4) wv[u] = ((const float4*)weight)[i];
+        }
+    }
+    SPECULA_PDL_WAIT();
+    SPECULA_PDL_LAUNCH();
     int src = src_rows ? src_rows[blockIdx.x] : blockIdx.x;
     const float* xr = x + (size_t)src * dim;
     unsigned short* orow = out + (size_t)blockIdx.x * dim;
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
-    float total = block_sum(ss, scratch);
+    if (vec) {
+#pragma unroll
+        for (int u = 0; u < SPECULA_NORM_VEC; ++u) {
+            int i = tid + u * nt;
+            if (i < d4) {
+                xv[u] = ((const float4*)xr)[i];
+                ss += xv[u].x * xv[u].x + xv[u].y * xv[u].y + xv[u].z * xv[u].z + xv[u].w * xv[u].w;
+            }
+        }
+    } else {
+        for (int i = tid; i < dim; i += nt) ss += xr[i] * xr[i];
+    }
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if ((tid & 31) == 0) warp_sums[tid >> 5] = ss;
+    __syncthreads();
+    float total = 0.0f;
+    for (int w = 0; w < nt / 32; ++w) total += warp_sums[w];
     float inv = 1.0f / sqrtf(total / (float)dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) orow[i] = f32_to_bf16(weight[i] * (xr[i] * inv));
+    if (vec) {
+#pragma unroll
+        for (int u = 0; u < SPECULA_NORM_VEC; ++u) {
+            int i = tid + u * nt;
+            if (i < d4) {
+                ushort4 o;
+                o.x = f32_to_bf16(wv[u].x * (xv[u].x * inv));
+                o.y = f32_to_bf16(wv[u].y * (xv[u].y * inv));
+                o.z = f32_to_bf16(wv[u].z * (xv[u].z * inv));
+                o.w = f32_to_bf16(wv[u].w * (xv[u].w * inv));
+                ((ushort4*)orow)[i] = o;
+            }
+        }
+    } else {
+        for (int i = tid; i < dim; i += nt) orow[i] = f32_to_bf16(weight[i] * (xr[i] * inv));
+    }
 }
 
 // RoPE on q and k and the KV-cache append in one launch. Grid: (rows, n_heads + 2 * n_kv_heads),
@@ -260,6 +329,8 @@ extern "C" __global__ void rms_norm_bf16(const float* x, const int* src_rows, co
 extern "C" __global__ void rope_kv_append(float* qkv, int row_stride, int n_heads, int n_kv_heads, int head_dim,
                                           const int* positions, const double* inv_freq, const int* slots,
                                           float* k_cache, float* v_cache) {
+    SPECULA_PDL_WAIT();
+    SPECULA_PDL_LAUNCH();
     int half = head_dim / 2;
     int i = threadIdx.x;
     if (i >= half) return;
@@ -296,9 +367,11 @@ extern "C" __global__ void rope_kv_append(float* qkv, int row_stride, int n_head
 // is read once for all G heads, and the work is spread over the keys (a first version, one warp per
 // query head walking the keys serially, was a chain of dependent loads: ~80 us per layer at 200 keys).
 // Phase 1: thread j scores key j (all G heads) and keeps its cache slot; phase 2: one warp per head
-// takes the softmax; phase 3: thread (c = t % head_dim, part = t / head_dim) sums p * v over every
-// (256 / head_dim)-th key for dim c, and the parts are added in shared memory in a fixed order.
-// Dynamic shared memory: (G * head_dim + G * max_keys + max_keys + 256 * G + 8) floats, sized at
+// takes the softmax; phase 3: thread (quad = t % (head_dim / 4), lane = t / (head_dim / 4)) sums p * v
+// over every (1024 / head_dim)-th key for dims 4 quad .. 4 quad + 3 with 16-byte loads, and the lanes'
+// partial sums are added in shared memory in a fixed order. (Phase 3 was one float per thread over
+// every 4th key: ~90 dependent rounds of loads at 370 keys, the step's cost growing ~1 us per key.)
+// Dynamic shared memory: (G * head_dim + G * max_keys + max_keys + 1024 * G + 8) floats, sized at
 // launch from the model's max_keys, so the launch does not depend on the current context length.
 // Requires G <= 8, head_dim a multiple of 32 and at most 256. Grid: (rows, n_kv_heads), block 256.
 #define SPECULA_ATTN_THREADS 256
@@ -307,13 +380,15 @@ attention_gqa(const float* qkv, int row_stride, int n_heads, int n_kv_heads, int
               const int* positions, const int* block_table_of_row, int max_blocks, const int* block_tables,
               int block_size, const float* k_cache, const float* v_cache, unsigned short* out, float scale,
               int max_keys) {
+    SPECULA_PDL_WAIT();
+    SPECULA_PDL_LAUNCH();
     extern __shared__ __align__(16) float smem[];
     const int G = n_heads / n_kv_heads;
     float* q_s = smem;                       // [G][head_dim], pre-scaled
     float* p_s = q_s + G * head_dim;         // [G][max_keys] scores, then probabilities
     int* slot_s = (int*)(p_s + G * max_keys);  // [max_keys]
-    float* part_s = (float*)(slot_s + max_keys);  // [256 / head_dim][G][head_dim]
-    float* inv_s = part_s + SPECULA_ATTN_THREADS * G;  // [G]
+    float* part_s = (float*)(slot_s + max_keys);  // [1024 / head_dim][G][head_dim]
+    float* inv_s = part_s + 1024 * G;  // [G]
     const int row = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x;
     const int kv_dim = n_kv_heads * head_dim;
     const float* q = qkv + (size_t)row * row_stride + (size_t)kvh * G * head_dim;
@@ -361,35 +436,42 @@ attention_gqa(const float* qkv, int row_stride, int n_heads, int n_kv_heads, int
         if (lane == 0) inv_s[g] = 1.0f / sum;
     }
     __syncthreads();
-    const int parts = SPECULA_ATTN_THREADS / head_dim;
-    const int c = tid % head_dim, part = tid / head_dim;
-    float acc[8];
+    const int lanes = SPECULA_ATTN_THREADS / d4;  // keys summed in parallel
+    const int quad = tid % d4, lane_k = tid / d4;
+    float4 acc[8];
 #pragma unroll
-    for (int g = 0; g < 8; ++g) acc[g] = 0.0f;
-    if (part < parts) {
-        const float* vbase = v_cache + kvh * head_dim + c;
-#pragma unroll 8
-        for (int j = part; j < n_keys; j += parts) {
-            float v = vbase[(size_t)slot_s[j] * kv_dim];
+    for (int g = 0; g < 8; ++g) acc[g] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const float* vbase = v_cache + kvh * head_dim + 4 * quad;
+#pragma unroll 4
+    for (int j = lane_k; j < n_keys; j += lanes) {
+        float4 v = *(const float4*)(vbase + (size_t)slot_s[j] * kv_dim);
 #pragma unroll
-            for (int g = 0; g < 8; ++g)
-                if (g < G) acc[g] += p_s[g * max_keys + j] * v;
+        for (int g = 0; g < 8; ++g) {
+            if (g < G) {
+                float p = p_s[g * max_keys + j];
+                acc[g].x += p * v.x;
+                acc[g].y += p * v.y;
+                acc[g].z += p * v.z;
+                acc[g].w += p * v.w;
+            }
         }
-#pragma unroll
-        for (int g = 0; g < 8; ++g)
-            if (g < G) part_s[(part * G + g) * head_dim + c] = acc[g];
     }
+#pragma unroll
+    for (int g = 0; g < 8; ++g)
+        if (g < G) *(float4*)(part_s + (lane_k * G + g) * head_dim + 4 * quad) = acc[g];
     __syncthreads();
     for (int i = tid; i < G * head_dim; i += SPECULA_ATTN_THREADS) {
         int g = i / head_dim, cc = i % head_dim;
         float s = 0.0f;
-        for (int pp = 0; pp < parts; ++pp) s += part_s[(pp * G + g) * head_dim + cc];
+        for (int pp = 0; pp < lanes; ++pp) s += part_s[(pp * G + g) * head_dim + cc];
         out[(size_t)row * n_heads * head_dim + (size_t)(kvh * G + g) * head_dim + cc] = f32_to_bf16(s * inv_s[g]);
     }
 }
 
 // out[row, i] = silu(gate) * up as bf16 (the down projection's input).
 extern "C" __global__ void swiglu_bf16(const float* gate_up, unsigned short* out, int rows, int ffn) {
+    SPECULA_PDL_WAIT();
+    SPECULA_PDL_LAUNCH();
     int n = rows * ffn;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
         int r = i / ffn, c = i % ffn;
@@ -437,9 +519,9 @@ __device__ __forceinline__ void mma_bf16_16816(float* c, unsigned int a0, unsign
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-template <int NT, int U>
+template <int NT, int U, bool SWIGLU>
 __device__ __forceinline__ void skinny_linear(const unsigned short* w, const unsigned short* x, float* out, int N,
-                                              int K, int M, int accumulate, int splits) {
+                                              int K, int M, int accumulate, int splits, unsigned short* act) {
     __shared__ float red[8][8 * NT][16];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int g = lane >> 2, t = lane & 3;
@@ -453,20 +535,37 @@ __device__ __forceinline__ void skinny_linear(const unsigned short* w, const uns
     int total_chunks = K / 32;
     int first = (int)(((long long)total_chunks * blockIdx.y) / splits);
     int nchunks = (int)(((long long)total_chunks * (blockIdx.y + 1)) / splits);
+    // Weight fragments are loaded one iteration ahead (double-buffered in registers), and the first
+    // iteration's before SPECULA_PDL_WAIT(): weights are never written during a step, so under PDL
+    // they stream in while the previous kernel (the norm or attention producing x) is finishing.
+    uint4 a_lo[U], a_hi[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        int ch = first + warp + 8 * u;
+        bool ok = ch < nchunks;
+        size_t koff = (size_t)ch * 32 + t * 8;
+        a_lo[u] = (ok && ra < N) ? load_stream_16(w + (size_t)ra * K + koff) : zero;
+        a_hi[u] = (ok && rb < N) ? load_stream_16(w + (size_t)rb * K + koff) : zero;
+    }
+    SPECULA_PDL_WAIT();
+    SPECULA_PDL_LAUNCH();
     for (int base = first + warp; base < nchunks; base += 8 * U) {
-        uint4 a_lo[U], a_hi[U], b[U][NT];
+        uint4 b[U][NT], na_lo[U], na_hi[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             int ch = base + 8 * u;
             bool ok = ch < nchunks;
             size_t koff = (size_t)ch * 32 + t * 8;
-            a_lo[u] = (ok && ra < N) ? load_stream_16(w + (size_t)ra * K + koff) : zero;
-            a_hi[u] = (ok && rb < N) ? load_stream_16(w + (size_t)rb * K + koff) : zero;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 int m = nt * 8 + g;
                 b[u][nt] = (ok && m < M) ? load_cached_16(x + (size_t)m * K + koff) : zero;
             }
+            int nch = ch + 8 * U;
+            bool nok = nch < nchunks;
+            size_t nkoff = (size_t)nch * 32 + t * 8;
+            na_lo[u] = (nok && ra < N) ? load_stream_16(w + (size_t)ra * K + nkoff) : zero;
+            na_hi[u] = (nok && rb < N) ? load_stream_16(w + (size_t)rb * K + nkoff) : zero;
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -475,6 +574,8 @@ __device__ __forceinline__ void skinny_linear(const unsigned short* w, const uns
                 mma_bf16_16816(c[nt], a_lo[u].x, a_hi[u].x, a_lo[u].y, a_hi[u].y, b[u][nt].x, b[u][nt].y);
                 mma_bf16_16816(c[nt], a_lo[u].z, a_hi[u].z, a_lo[u].w, a_hi[u].w, b[u][nt].z, b[u][nt].w);
             }
+            a_lo[u] = na_lo[u];
+            a_hi[u] = na_hi[u];
         }
     }
     // Accumulator layout of m16n8: c0, c1 -> (row g, cols 2t, 2t+1); c2, c3 -> (row g+8, same cols).
@@ -486,6 +587,25 @@ __device__ __forceinline__ void skinny_linear(const unsigned short* w, const uns
         red[warp][nt * 8 + 2 * t + 1][g + 8] = c[nt][3];
     }
     __syncthreads();
+    if (SWIGLU) {
+        // Paired gate/up rows (see skinny_linear_swiglu_m*): rows r and r + 8 of this block are the gate
+        // and up projections of feature 8 * blockIdx.x + r; write silu(gate) * up as bf16, exactly as
+        // swiglu_bf16 computes it from the same sums.
+        int ffn = N / 2;
+        for (int idx = threadIdx.x; idx < 8 * 8 * NT; idx += blockDim.x) {
+            int m = idx / 8, r = idx % 8;
+            int f = blockIdx.x * 8 + r;
+            if (m >= M || f >= ffn) continue;
+            float gs = 0.0f, us = 0.0f;
+#pragma unroll
+            for (int ww = 0; ww < 8; ++ww) {
+                gs += red[ww][m][r];
+                us += red[ww][m][r + 8];
+            }
+            act[(size_t)m * ffn + f] = f32_to_bf16(gs / (1.0f + expf(-gs)) * us);
+        }
+        return;
+    }
     for (int idx = threadIdx.x; idx < 16 * 8 * NT; idx += blockDim.x) {
         int m = idx / 16, r = idx % 16;
         int n = n0 + r;
@@ -505,20 +625,255 @@ __device__ __forceinline__ void skinny_linear(const unsigned short* w, const uns
 extern "C" __global__ void __launch_bounds__(256) skinny_linear_m8(const unsigned short* w, const unsigned short* x,
                                                                    float* out, int N, int K, int M, int acc,
                                                                    int splits) {
-    skinny_linear<1, 4>(w, x, out, N, K, M, acc, splits);
+    skinny_linear<1, 4, false>(w, x, out, N, K, M, acc, splits, 0);
 }
 extern "C" __global__ void __launch_bounds__(256) skinny_linear_m16(const unsigned short* w, const unsigned short* x,
                                                                     float* out, int N, int K, int M, int acc,
                                                                    int splits) {
-    skinny_linear<2, 4>(w, x, out, N, K, M, acc, splits);
+    skinny_linear<2, 4, false>(w, x, out, N, K, M, acc, splits, 0);
 }
 extern "C" __global__ void __launch_bounds__(256) skinny_linear_m32(const unsigned short* w, const unsigned short* x,
                                                                     float* out, int N, int K, int M, int acc,
                                                                    int splits) {
-    skinny_linear<4, 2>(w, x, out, N, K, M, acc, splits);
+    skinny_linear<4, 2, false>(w, x, out, N, K, M, acc, splits, 0);
 }
 extern "C" __global__ void __launch_bounds__(256) skinny_linear_m64(const unsigned short* w, const unsigned short* x,
                                                                     float* out, int N, int K, int M, int acc,
                                                                    int splits) {
-    skinny_linear<8, 2>(w, x, out, N, K, M, acc, splits);
+    skinny_linear<8, 2, false>(w, x, out, N, K, M, acc, splits, 0);
+}
+
+// Gate/up projection with SwiGLU in the epilogue: w holds the gate and up rows interleaved in groups of 8
+// (rows 16 b .. 16 b + 7 = gate features 8 b .., rows 16 b + 8 .. = the same up features; see
+// interleave_gate_up), N = 2 * ffn with ffn % 8 == 0, no K split. Writes act[m, f] = silu(gate) * up as
+// bf16 (the down projection's input): no f32 gate/up round trip and no separate swiglu launch.
+extern "C" __global__ void __launch_bounds__(256) skinny_linear_swiglu_m8(const unsigned short* w, const unsigned short* x,
+                                                                          unsigned short* act, int N, int K, int M) {
+    skinny_linear<1, 4, true>(w, x, 0, N, K, M, 0, 1, act);
+}
+extern "C" __global__ void __launch_bounds__(256) skinny_linear_swiglu_m16(const unsigned short* w, const unsigned short* x,
+                                                                           unsigned short* act, int N, int K, int M) {
+    skinny_linear<2, 4, true>(w, x, 0, N, K, M, 0, 1, act);
+}
+extern "C" __global__ void __launch_bounds__(256) skinny_linear_swiglu_m32(const unsigned short* w, const unsigned short* x,
+                                                                           unsigned short* act, int N, int K, int M) {
+    skinny_linear<4, 2, true>(w, x, 0, N, K, M, 0, 1, act);
+}
+extern "C" __global__ void __launch_bounds__(256) skinny_linear_swiglu_m64(const unsigned short* w, const unsigned short* x,
+                                                                           unsigned short* act, int N, int K, int M) {
+    skinny_linear<8, 2, true>(w, x, 0, N, K, M, 0, 1, act);
+}
+
+// dst = the stacked [gate; up] matrix (2 * ffn rows of `cols`) with rows interleaved in groups of 8 for
+// the paired kernels: dst row 16 b + i = gate row 8 b + i, dst row 16 b + 8 + i = up row 8 b + i.
+// One-time at load. Grid: 2 * ffn rows, block 256.
+extern "C" __global__ void interleave_gate_up(const unsigned short* src, unsigned short* dst, int ffn, int cols) {
+    int r = blockIdx.x, b = r / 16, i = r % 16;
+    int s = i < 8 ? 8 * b + i : ffn + 8 * b + (i - 8);
+    const unsigned short* from = src + (size_t)s * cols;
+    unsigned short* to = dst + (size_t)r * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) to[c] = from[c];
+}
+
+// SwiGLU over interleaved gate/up rows (the cuBLAS path of a paired gate/up matrix): out[row, f] =
+// silu(gate) * up as bf16 with gate at column 16 (f / 8) + f % 8 and up 8 columns later.
+extern "C" __global__ void swiglu_bf16_paired(const float* gate_up, unsigned short* out, int rows, int ffn) {
+    SPECULA_PDL_WAIT();
+    SPECULA_PDL_LAUNCH();
+    int n = rows * ffn;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        int r = i / ffn, f = i % ffn;
+        size_t col = (size_t)16 * (f / 8) + f % 8;
+        float g = gate_up[(size_t)r * 2 * ffn + col];
+        float u = gate_up[(size_t)r * 2 * ffn + col + 8];
+        out[i] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Split-key causal GQA attention (flash-decoding) for decode/verify/prefill rows over the paged cache.
+// attention_gqa above runs one block per (row, KV head) over every key: at ~260 keys that block is a
+// chain of dependent load rounds (~21 us per layer on the H200, a quarter of the llama3.2-1b step).
+// Here block (row, KV head, split) takes one slice of the row's keys; the number of slices depends only
+// on the row's own key count (S = min(ATTN_MAX_SPLITS, ceil(keys / ATTN_SPLIT_KEYS)), slices of
+// ceil(keys / S)), never on what else is in the launch. The host runs this kernel only for launches
+// whose whole-row blocks would leave most SMs idle (gpu.rs `whole_row_attention_for`); larger launches
+// already fill the GPU with attention_gqa blocks, where splitting only adds blocks and a combine pass.
+// Blocks past S exit at once (the grid is fixed for CUDA graphs). Inside a block keys go in tiles of 256:
+// thread j scores key j for the G query heads of the KV head; one warp per head keeps a running max and
+// sum (online softmax); p * v is summed by (key lane, 4-dim quad) threads with 16-byte loads. Each slice
+// writes its unnormalised output, max and sum to `partials`; the last slice to finish (a counter per
+// (row, KV head), reset by that block so graph replays start from zero) combines the slices in slice
+// order and writes bf16. One slice writes its output directly.
+// Dynamic shared memory: (G * head_dim + G * 256 + 256 + 1024 * G + 24) floats. Requires G <= 8 and
+// head_dim a multiple of 32, at most 256. Grid: (rows, n_kv_heads, ATTN_MAX_SPLITS), block 256.
+#define ATTN_TILE 256
+#define ATTN_SPLIT_KEYS 128
+#define ATTN_MAX_SPLITS 4
+extern "C" __global__ void __launch_bounds__(SPECULA_ATTN_THREADS)
+attention_split(const float* qkv, int row_stride, int n_heads, int n_kv_heads, int head_dim,
+                const int* positions, const int* block_table_of_row, int max_blocks, const int* block_tables,
+                int block_size, const float* k_cache, const float* v_cache, unsigned short* out, float scale,
+                float* partials, unsigned int* counters) {
+    SPECULA_PDL_WAIT();
+    SPECULA_PDL_LAUNCH();
+    extern __shared__ __align__(16) float smem[];
+    __shared__ int last_s;
+    const int G = n_heads / n_kv_heads;
+    const int row = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, tid = threadIdx.x;
+    const int n_keys = positions[row] + 1;
+    const int n_splits = min(ATTN_MAX_SPLITS, (n_keys + ATTN_SPLIT_KEYS - 1) / ATTN_SPLIT_KEYS);
+    if (split >= n_splits) return;  // uniform over the block, before any barrier
+    const int per = (n_keys + n_splits - 1) / n_splits;
+    const int k_begin = split * per, k_end = min(n_keys, k_begin + per);
+    float* q_s = smem;                             // [G][head_dim], pre-scaled
+    float* p_s = q_s + G * head_dim;               // [G][ATTN_TILE]
+    int* slot_s = (int*)(p_s + G * ATTN_TILE);     // [ATTN_TILE]
+    float* part_s = (float*)(slot_s + ATTN_TILE);  // [1024 / head_dim][G][head_dim]
+    float* m_s = part_s + 1024 * G;                // [8] running max per head
+    float* l_s = m_s + 8;                          // [8] running sum per head
+    float* f_s = l_s + 8;                          // [8] this tile's rescale of the old sums
+    const int kv_dim = n_kv_heads * head_dim;
+    const float* q = qkv + (size_t)row * row_stride + (size_t)kvh * G * head_dim;
+    for (int i = tid; i < G * head_dim; i += SPECULA_ATTN_THREADS) q_s[i] = q[i] * scale;
+    if (tid < 8) {
+        m_s[tid] = SPECULA_NEG_INF;
+        l_s[tid] = 0.0f;
+    }
+    __syncthreads();
+    const int* table = block_tables + (size_t)block_table_of_row[row] * max_blocks;
+    const int d4 = head_dim / 4;
+    const int lanes = SPECULA_ATTN_THREADS / d4;
+    const int quad = tid % d4, lane_k = tid / d4;
+    const int warp = tid >> 5, lane = tid & 31;
+    float4 acc[8];
+#pragma unroll
+    for (int g = 0; g < 8; ++g) acc[g] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int t0 = k_begin; t0 < k_end; t0 += ATTN_TILE) {
+        const int nt = min(ATTN_TILE, k_end - t0);
+        if (tid < nt) {
+            int key = t0 + tid;
+            int slot = table[key / block_size] * block_size + key % block_size;
+            slot_s[tid] = slot;
+            const float4* k4 = (const float4*)(k_cache + (size_t)slot * kv_dim + kvh * head_dim);
+            float d[8];
+#pragma unroll
+            for (int g = 0; g < 8; ++g) d[g] = 0.0f;
+#pragma unroll 16
+            for (int c = 0; c < d4; ++c) {
+                float4 kk = k4[c];
+#pragma unroll
+                for (int g = 0; g < 8; ++g) {
+                    if (g < G) {
+                        float4 qq = ((const float4*)(q_s + g * head_dim))[c];
+                        d[g] += qq.x * kk.x + qq.y * kk.y + qq.z * kk.z + qq.w * kk.w;
+                    }
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < 8; ++g)
+                if (g < G) p_s[g * ATTN_TILE + tid] = d[g];
+        }
+        __syncthreads();
+        for (int g = warp; g < G; g += SPECULA_ATTN_THREADS / 32) {
+            float* p = p_s + g * ATTN_TILE;
+            float mt = SPECULA_NEG_INF;
+            for (int j = lane; j < nt; j += 32) mt = fmaxf(mt, p[j]);
+            for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
+            float m_old = m_s[g];
+            float m_new = fmaxf(m_old, mt);
+            float sum = 0.0f;
+            for (int j = lane; j < nt; j += 32) {
+                float e = expf(p[j] - m_new);
+                p[j] = e;
+                sum += e;
+            }
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            __syncwarp();
+            if (lane == 0) {
+                float f = m_old == SPECULA_NEG_INF ? 0.0f : expf(m_old - m_new);
+                f_s[g] = f;
+                l_s[g] = l_s[g] * f + sum;
+                m_s[g] = m_new;
+            }
+        }
+        __syncthreads();
+        const float* vbase = v_cache + kvh * head_dim + 4 * quad;
+#pragma unroll
+        for (int g = 0; g < 8; ++g) {
+            if (g < G) {
+                float f = f_s[g];
+                acc[g].x *= f;
+                acc[g].y *= f;
+                acc[g].z *= f;
+                acc[g].w *= f;
+            }
+        }
+#pragma unroll 4
+        for (int j = lane_k; j < nt; j += lanes) {
+            float4 v = *(const float4*)(vbase + (size_t)slot_s[j] * kv_dim);
+#pragma unroll
+            for (int g = 0; g < 8; ++g) {
+                if (g < G) {
+                    float p = p_s[g * ATTN_TILE + j];
+                    acc[g].x += p * v.x;
+                    acc[g].y += p * v.y;
+                    acc[g].z += p * v.z;
+                    acc[g].w += p * v.w;
+                }
+            }
+        }
+        __syncthreads();  // p_s and slot_s are rewritten by the next tile
+    }
+#pragma unroll
+    for (int g = 0; g < 8; ++g)
+        if (g < G) *(float4*)(part_s + (lane_k * G + g) * head_dim + 4 * quad) = acc[g];
+    __syncthreads();
+    const size_t out_base = (size_t)row * n_heads * head_dim + (size_t)kvh * G * head_dim;
+    if (n_splits == 1) {
+        for (int i = tid; i < G * head_dim; i += SPECULA_ATTN_THREADS) {
+            int g = i / head_dim, cc = i % head_dim;
+            float s = 0.0f;
+            for (int pp = 0; pp < lanes; ++pp) s += part_s[(pp * G + g) * head_dim + cc];
+            out[out_base + i] = f32_to_bf16(s / l_s[g]);
+        }
+        return;
+    }
+    // This slice's unnormalised output [G][head_dim], then max [G] and sum [G].
+    const int stride = G * (head_dim + 2);
+    const size_t rk = (size_t)row * n_kv_heads + kvh;
+    float* mine = partials + (rk * ATTN_MAX_SPLITS + split) * stride;
+    for (int i = tid; i < G * head_dim; i += SPECULA_ATTN_THREADS) {
+        int g = i / head_dim, cc = i % head_dim;
+        float s = 0.0f;
+        for (int pp = 0; pp < lanes; ++pp) s += part_s[(pp * G + g) * head_dim + cc];
+        mine[i] = s;
+    }
+    if (tid < G) {
+        mine[G * head_dim + tid] = m_s[tid];
+        mine[G * head_dim + G + tid] = l_s[tid];
+    }
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        unsigned int done = atomicAdd(counters + rk, 1u);
+        last_s = done == (unsigned int)(n_splits - 1);
+    }
+    __syncthreads();
+    if (!last_s) return;
+    __threadfence();
+    const float* all = partials + rk * ATTN_MAX_SPLITS * stride;
+    for (int i = tid; i < G * head_dim; i += SPECULA_ATTN_THREADS) {
+        int g = i / head_dim;
+        float m = SPECULA_NEG_INF;
+        for (int sp = 0; sp < n_splits; ++sp) m = fmaxf(m, __ldcg(all + sp * stride + G * head_dim + g));
+        float l = 0.0f, o = 0.0f;
+        for (int sp = 0; sp < n_splits; ++sp) {
+            float w = expf(__ldcg(all + sp * stride + G * head_dim + g) - m);
+            l += __ldcg(all + sp * stride + G * head_dim + G + g) * w;
+            o += __ldcg(all + sp * stride + i) * w;
+        }
+        out[out_base + i] = f32_to_bf16(o / l);
+    }
+    if (tid == 0) counters[rk] = 0u;
 }

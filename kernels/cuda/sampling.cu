@@ -693,17 +693,15 @@ __device__ int locate_mth_equal(const float* p, int n, u32 value, u32 kb, int kc
 // SamplingParams::validate. Outputs: probs, inv_sums (1 / f64 sum of the written row, NaN on error),
 // status: 2 ints per row, [code, detail] (SPL_NON_FINITE_LOGIT with the first bad index;
 // SPL_ALL_MASKED; SPL_BAD_BLOCK when launched with the wrong block size). Rows with an error are NaN.
-extern "C" __global__ void __launch_bounds__(SPL_PROBS_THREADS)
-    logits_to_probs(const float* logits, int row_stride, int vocab, const float* temperatures,
-                    const u32* top_ks, const float* top_ps, float* probs, double* inv_sums, int* status) {
-    __shared__ Scratch sc;
-    __shared__ u32 hist[256];
-    __shared__ double bins[16 * SPL_PROBS_THREADS + 256];
+//
+// The work of one row is the device function row_logits_to_probs, so that other kernels (the DSpark
+// drafter's fused Markov loop, dspark.cu) process their rows with exactly these semantics. It writes
+// *inv_sum and st[0..2] from thread 0 (callers synchronise before reading them) and returns the
+// row's argmax (lowest index on ties, 0 when every logit is -inf) on success, -1 on error.
+__device__ int row_logits_to_probs(const float* l, float* p, int row_stride, int vocab, float temperature,
+                                   u32 top_k, float top_p, double* inv_sum, int* st, Scratch& sc, u32* hist,
+                                   double* bins) {
     const int nt = blockDim.x;
-    const int row = blockIdx.x;
-    const float* l = logits + (size_t)row * row_stride;
-    float* p = probs + (size_t)row * row_stride;
-    int* st = status + 2 * row;
 
     int error = SPL_OK, detail = 0;
     if (nt != SPL_PROBS_THREADS) {
@@ -732,27 +730,26 @@ extern "C" __global__ void __launch_bounds__(SPL_PROBS_THREADS)
             detail = bad;
         }
     }
-    const float temperature = temperatures[row];
     if (error == SPL_OK && temperature == 0.0f) {
         // Greedy: one-hot at the argmax (index 0 when every logit is -inf, as the CPU loop gives).
         int at = best == SPL_INT_MAX ? 0 : best;
         for (int x = threadIdx.x; x < row_stride; x += nt) p[x] = x == at ? 1.0f : 0.0f;
         if (threadIdx.x == 0) {
-            inv_sums[row] = 1.0;
+            *inv_sum = 1.0;
             st[0] = SPL_OK;
             st[1] = 0;
         }
-        return;
+        return at;
     }
     if (error == SPL_OK && max_value == SPL_F32_NEG_INF) error = SPL_ALL_MASKED;
     if (error != SPL_OK) {
         for (int x = threadIdx.x; x < row_stride; x += nt) p[x] = SPL_F32_NAN;
         if (threadIdx.x == 0) {
-            inv_sums[row] = SPL_F64_NAN;
+            *inv_sum = SPL_F64_NAN;
             st[0] = error;
             st[1] = detail;
         }
-        return;
+        return -1;
     }
 
     // exp((l - max) / T) in f64, stored as f32; the unrestricted sum is over the f64 values.
@@ -770,8 +767,6 @@ extern "C" __global__ void __launch_bounds__(SPL_PROBS_THREADS)
     });
     double sum = block_sum_d(sum_e, sc);  // its barriers also publish p to the whole block
 
-    const u32 top_k = top_ks[row];
-    const float top_p = top_ps[row];
     const bool by_k = top_k > 0 && top_k < (u32)vocab;
     const bool by_p = top_p < 1.0f;
     // Kept set: kept_by(bits, x, kb, kcut) && kept_by(bits, x, pb, pcut); (0, INT_MAX) keeps all.
@@ -820,10 +815,23 @@ extern "C" __global__ void __launch_bounds__(SPL_PROBS_THREADS)
     });
     written = block_sum_d(written, sc);
     if (threadIdx.x == 0) {
-        inv_sums[row] = 1.0 / written;
+        *inv_sum = 1.0 / written;
         st[0] = SPL_OK;
         st[1] = 0;
     }
+    return best == SPL_INT_MAX ? 0 : best;
+}
+
+extern "C" __global__ void __launch_bounds__(SPL_PROBS_THREADS)
+    logits_to_probs(const float* logits, int row_stride, int vocab, const float* temperatures,
+                    const u32* top_ks, const float* top_ps, float* probs, double* inv_sums, int* status) {
+    __shared__ Scratch sc;
+    __shared__ u32 hist[256];
+    __shared__ double bins[16 * SPL_PROBS_THREADS + 256];
+    const int row = blockIdx.x;
+    row_logits_to_probs(logits + (size_t)row * row_stride, probs + (size_t)row * row_stride, row_stride, vocab,
+                        temperatures[row], top_ks[row], top_ps[row], inv_sums + row, status + 2 * row, sc, hist,
+                        bins);
 }
 
 // ---------------------------------------------------------------------------------------------------

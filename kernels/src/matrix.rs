@@ -59,6 +59,15 @@ impl Matrix {
         }
     }
 
+    /// Every element as raw bf16 bits, row-major (f32 weights rounded to nearest even): the layout the
+    /// GPU linear layers take.
+    pub fn bf16_bits(&self) -> Vec<u16> {
+        match &self.data {
+            MatrixData::Bf16(v) => v.iter().map(|x| x.to_bits()).collect(),
+            MatrixData::F32(v) => v.iter().map(|&x| bf16::from_f32(x).to_bits()).collect(),
+        }
+    }
+
     /// Copies row `r` into `out` as f32 (embedding lookup).
     pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
         let range = r * self.cols..(r + 1) * self.cols;

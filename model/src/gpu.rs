@@ -19,8 +19,12 @@ use crate::config::ModelConfig;
 use crate::random::{self, TensorKind};
 use crate::transformer::Transformer;
 use crate::ModelError;
-use cudarc::driver::{sys, CudaFunction, CudaGraph, CudaSlice, LaunchConfig, PushKernelArg};
-use specula_kernels::cuda::{CudaError, Gemm, GpuDevice, LinearChoice};
+use cudarc::driver::{
+    sys, CudaFunction, CudaGraph, CudaSlice, CudaView, LaunchConfig, PushKernelArg,
+};
+use specula_kernels::cuda::{
+    launch, CudaError, Gemm, GpuDevice, KernelArg, LinearBackend, LinearChoice,
+};
 use specula_kernels::{Matrix, MatrixData};
 use std::collections::HashMap;
 
@@ -30,6 +34,9 @@ fn gpu(e: impl Into<CudaError>) -> ModelError {
 
 /// Positions per KV block.
 pub const GPU_BLOCK_SIZE: usize = 16;
+/// attention_split's key slices per row (ATTN_MAX_SPLITS in decoder.cu).
+const ATTN_MAX_SPLITS: usize = 4;
+
 /// The most new tokens per sequence a captured step takes (a verify block of k = 15 drafts).
 pub const MAX_GRAPH_TOKENS: usize = 16;
 
@@ -94,6 +101,43 @@ pub enum StepPath {
     Direct,
 }
 
+/// Parts of the step left out, for timing only (`specula bench step` prints where the time goes by
+/// difference: "time variants that leave one stage out"). Any skip makes the outputs meaningless;
+/// the default runs everything.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepAblation {
+    /// Launch the step's kernels with programmatic dependent launch even where it is off by default.
+    pub force_pdl: bool,
+    pub skip_attention: bool,
+    /// RoPE + KV append.
+    pub skip_rope_kv: bool,
+    /// The two RMSNorms of each layer.
+    pub skip_norms: bool,
+    /// The four linear layers of each layer (and SwiGLU).
+    pub skip_layer_linears: bool,
+    /// Final norm, LM head, argmax.
+    pub skip_head: bool,
+    /// Launch attention twice per layer (the second launch's time is the kernel's own cost).
+    pub double_attention: bool,
+    /// Which attention kernel every launch uses (default: chosen by launch size).
+    pub attention: AttentionKernel,
+}
+
+/// The step's attention kernel. `Auto` picks per launch from the number of blocks the whole-row
+/// kernel would run: split-key attention only while that leaves most SMs idle (decode and small
+/// verify batches), whole-row attention otherwise (H200, llama3.2-1b, 260 keys: split 1.41 vs
+/// whole-row 1.45 ms per step at 1 x 8 rows, but 2.48 vs 1.71 ms at 8 x 8 rows, where 512 whole-row
+/// blocks already fill the GPU and splitting only adds blocks and a combine pass).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum AttentionKernel {
+    #[default]
+    Auto,
+    /// attention_split for every launch.
+    Split,
+    /// attention_gqa for every launch (when the context fits its shared memory).
+    WholeRow,
+}
+
 struct GpuLayer {
     attn_norm: CudaSlice<f32>,
     wqkv: CudaSlice<u16>,
@@ -115,7 +159,10 @@ struct Kernels {
     head_rms_norm: CudaFunction,
     add_bias_rows: CudaFunction,
     rope_kv_append: CudaFunction,
+    /// attention_split: the step's attention.
     attention: CudaFunction,
+    /// attention_gqa (one block per row over every key), for the step profile.
+    attention_whole_row: CudaFunction,
     swiglu_bf16: CudaFunction,
     argmax_rows: CudaFunction,
 }
@@ -128,6 +175,12 @@ struct StepBuffers {
     act16: CudaSlice<u16>,
     qkv: CudaSlice<f32>,
     gate_up: CudaSlice<f32>,
+    /// attention_split's per-slice outputs, `[rows, kv heads, ATTN_MAX_SPLITS, G * (head_dim + 2)]`.
+    attn_partials: CudaSlice<f32>,
+    /// attention_split's finished-slice counters per (row, KV head); zero between launches.
+    attn_counters: CudaSlice<u32>,
+    /// SwiGLU output (the down projection's input), bf16 `[rows, ffn]`.
+    ffn_act16: CudaSlice<u16>,
     logits: CudaSlice<f32>,
     argmax: CudaSlice<u32>,
 }
@@ -177,8 +230,10 @@ pub struct GpuTransformer {
     opts: GpuOptions,
     /// Blocks a sequence may hold (`max_positions / GPU_BLOCK_SIZE`, rounded up).
     max_blocks: usize,
-    /// Dynamic shared memory of the attention kernel.
+    /// Dynamic shared memory of attention_gqa (profile only).
     attention_smem: usize,
+    /// Dynamic shared memory of attention_split.
+    attention_split_smem: usize,
     /// The block padded rows write to (never part of a sequence).
     trash_block: u32,
     free_blocks: Vec<u32>,
@@ -197,6 +252,11 @@ pub struct GpuTransformer {
     /// stays put.
     tap_buf: CudaSlice<f32>,
     tap_capacity: usize,
+    /// Gate/up rows interleaved in groups of 8 so SwiGLU runs in the GEMM's epilogue (ffn % 8 == 0).
+    paired_gate_up: bool,
+    ablation: StepAblation,
+    /// Streaming multiprocessors (attention's kernel choice).
+    num_sms: usize,
     /// Set when a capture failed: later steps run directly (correct, slower) and reports say why.
     graph_error: Option<String>,
 }
@@ -289,7 +349,8 @@ impl GpuTransformer {
             head_rms_norm: f("head_rms_norm")?,
             add_bias_rows: f("add_bias_rows")?,
             rope_kv_append: f("rope_kv_append")?,
-            attention: f("attention_gqa")?,
+            attention: f("attention_split")?,
+            attention_whole_row: f("attention_gqa")?,
             swiglu_bf16: f("swiglu_bf16")?,
             argmax_rows: f("argmax_rows")?,
         };
@@ -299,25 +360,43 @@ impl GpuTransformer {
         // attention_gqa's shared memory (see decoder.cu), fixed by the largest context.
         let max_keys = max_blocks * GPU_BLOCK_SIZE;
         let attention_smem =
-            4 * (group * c.head_dim + group * max_keys + max_keys + 256 * group + 8);
+            4 * (group * c.head_dim + group * max_keys + max_keys + 1024 * group + 8);
+        let num_sms = device
+            .ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(gpu)? as usize;
         let smem_limit = device
             .ctx
             .attribute(
                 sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
             )
             .map_err(gpu)? as usize;
-        if attention_smem > smem_limit {
-            return Err(ModelError::InvalidRequest(format!(
-                "GPU attention for {} positions per sequence needs {attention_smem} bytes of shared memory, over the device's {smem_limit}: lower max_positions",
-                opts.max_positions
+        // attention_split's shared memory (decoder.cu): independent of the context length.
+        let attention_split_smem = 4 * (group * c.head_dim + group * 256 + 256 + 1024 * group + 24);
+        if attention_split_smem > smem_limit {
+            return Err(ModelError::Gpu(format!(
+                "GPU attention needs {attention_split_smem} bytes of shared memory, over the device's {smem_limit}; use the CPU backend"
             )));
         }
         k.attention
             .set_attribute(
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                attention_smem as i32,
+                attention_split_smem as i32,
             )
             .map_err(gpu)?;
+        // The whole-row kernel (step profile only) needs room for every key; without it the profile
+        // leaves that variant out.
+        let attention_smem = if attention_smem <= smem_limit {
+            k.attention_whole_row
+                .set_attribute(
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    attention_smem as i32,
+                )
+                .map_err(gpu)?;
+            attention_smem
+        } else {
+            0
+        };
         let num_blocks = opts.max_sequences * max_blocks;
         // One more block: the trash block padded rows write to.
         let cache_len = (num_blocks + 1) * GPU_BLOCK_SIZE * kvd;
@@ -495,6 +574,25 @@ impl GpuTransformer {
             1.0,
         )?;
         let inv_freq = s.clone_htod(&c.rope_inv_freq()).map_err(gpu)?;
+        // Pair gate and up rows for the fused SwiGLU epilogue (decoder.cu, interleave_gate_up).
+        let paired_gate_up = ffn.is_multiple_of(8);
+        if paired_gate_up {
+            let interleave = f("interleave_gate_up")?;
+            for l in &mut layers {
+                let mut dst = s.alloc_zeros::<u16>(2 * ffn * h).map_err(gpu)?;
+                let args = [
+                    KernelArg::buf(&l.w_gate_up, &s),
+                    KernelArg::buf(&dst, &s),
+                    KernelArg::i32(ffn as i32),
+                    KernelArg::i32(h as i32),
+                ];
+                // SAFETY: both buffers hold 2 * ffn * h elements; interleave_gate_up's arguments.
+                unsafe { launch(&s, &interleave, rows_cfg(2 * ffn, 256), &args, false) }
+                    .map_err(gpu)?;
+                std::mem::swap(&mut l.w_gate_up, &mut dst);
+                s.synchronize().map_err(gpu)?;
+            }
+        }
 
         let max_logit_rows = (opts.max_sequences * MAX_GRAPH_TOKENS).max(64);
         let layout = InputLayout::new(max_rows, opts.max_sequences, max_blocks);
@@ -505,6 +603,15 @@ impl GpuTransformer {
             act16: s.alloc_zeros::<u16>(max_rows * act_width).map_err(gpu)?,
             qkv: s.alloc_zeros::<f32>(max_rows * width).map_err(gpu)?,
             gate_up: s.alloc_zeros::<f32>(max_rows * 2 * ffn).map_err(gpu)?,
+            ffn_act16: s.alloc_zeros::<u16>(max_rows * ffn).map_err(gpu)?,
+            attn_partials: s
+                .alloc_zeros::<f32>(
+                    max_rows * c.num_kv_heads * ATTN_MAX_SPLITS * group * (c.head_dim + 2),
+                )
+                .map_err(gpu)?,
+            attn_counters: s
+                .alloc_zeros::<u32>(max_rows * c.num_kv_heads)
+                .map_err(gpu)?,
             logits: s
                 .alloc_zeros::<f32>(max_logit_rows * c.vocab_size)
                 .map_err(gpu)?,
@@ -522,6 +629,7 @@ impl GpuTransformer {
             inv_freq,
             max_blocks,
             attention_smem,
+            attention_split_smem,
             trash_block: num_blocks as u32,
             // Popped from the end: hand out low block numbers first.
             free_blocks: (0..num_blocks as u32).rev().collect(),
@@ -534,6 +642,9 @@ impl GpuTransformer {
             step_taps: Vec::new(),
             tap_buf: s.alloc_zeros::<f32>(1).map_err(gpu)?,
             tap_capacity: 0,
+            paired_gate_up,
+            ablation: StepAblation::default(),
+            num_sms,
             graph_error: None,
             opts,
             config: c,
@@ -574,13 +685,15 @@ impl GpuTransformer {
         let ls = &self.layers;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let mut out = Vec::new();
-        let shapes: [(Vec<&CudaSlice<u16>>, usize, usize); 5] = [
+        let mut shapes: Vec<(Vec<&CudaSlice<u16>>, usize, usize)> = vec![
             (ls.iter().map(|l| &l.wqkv).collect(), qd + 2 * kvd, h),
             (ls.iter().map(|l| &l.wo).collect(), h, qd),
-            (ls.iter().map(|l| &l.w_gate_up).collect(), 2 * ffn, h),
             (ls.iter().map(|l| &l.w_down).collect(), h, ffn),
             (vec![head], c.vocab_size, h),
         ];
+        if !self.paired_gate_up {
+            shapes.insert(2, (ls.iter().map(|l| &l.w_gate_up).collect(), 2 * ffn, h));
+        }
         for (weights, rows, cols) in &shapes {
             out.extend(
                 self.gemm
@@ -588,8 +701,68 @@ impl GpuTransformer {
                     .map_err(gpu)?,
             );
         }
+        if self.paired_gate_up {
+            // The paired gate/up matrix: the fused SwiGLU kernel against cuBLAS + the SwiGLU kernel,
+            // reported as a "skinny split 1" vs "cublas" row whose times include SwiGLU.
+            let weights: Vec<&CudaSlice<u16>> = ls.iter().map(|l| &l.w_gate_up).collect();
+            for (n, fused_us, split_us) in self
+                .gemm
+                .tune_swiglu(&weights, 2 * ffn, h, tokens, reps)
+                .map_err(gpu)?
+            {
+                out.push(LinearChoice {
+                    rows: 2 * ffn,
+                    cols: h,
+                    tokens: n,
+                    cublas_us: split_us,
+                    skinny_us: vec![(1, fused_us)],
+                    backend: if fused_us <= split_us {
+                        LinearBackend::Skinny { splits: 1 }
+                    } else {
+                        LinearBackend::Cublas
+                    },
+                });
+            }
+        }
         self.graphs.clear();
         Ok(out)
+    }
+
+    /// Whether the whole-row attention kernel fits this model's context in shared memory.
+    pub fn whole_row_attention_available(&self) -> bool {
+        self.attention_smem > 0
+    }
+
+    /// Whether a launch over `rows` rows runs whole-row attention (else split-key attention). Depends
+    /// only on the launch shape, so a captured graph keeps its kernel; a row's attention output is
+    /// therefore the same within one shape but may differ in the last bits between shapes that
+    /// choose differently (as with the GEMM choice per row bucket).
+    fn whole_row_attention_for(&self, rows: usize) -> bool {
+        if !self.whole_row_attention_available() {
+            return false;
+        }
+        match self.ablation.attention {
+            AttentionKernel::Split => false,
+            AttentionKernel::WholeRow => true,
+            AttentionKernel::Auto => 2 * rows * self.config.num_kv_heads > self.num_sms,
+        }
+    }
+
+    /// Whether the gate/up projection runs with SwiGLU fused (its tuning rows include SwiGLU).
+    pub fn fused_swiglu(&self) -> bool {
+        self.paired_gate_up
+    }
+
+    /// Leaves parts of the step out (timing only), forces PDL on, or forces one attention kernel (the
+    /// outputs stay valid for that); drops captured graphs so the next steps capture the variant.
+    /// `StepAblation::default()` restores the real step.
+    pub fn set_ablation(&mut self, ablation: StepAblation) {
+        if ablation != self.ablation {
+            self.ablation = ablation;
+            self.gemm
+                .set_pdl(self.device.pdl || (ablation.force_pdl && self.device.pdl_capable));
+            self.graphs.clear();
+        }
     }
 
     pub fn add_sequence(&mut self) -> Result<GpuSeqId, ModelError> {
@@ -1065,10 +1238,17 @@ impl GpuTransformer {
     }
 
     /// Launches one forward over `rows` packed input rows with logits for `n_logits` of them. Reads
-    /// only device buffers and launch-time sizes, so it can be captured into a graph.
+    /// only device buffers and launch-time sizes, so it can be captured into a graph. The step's own
+    /// kernels go out with programmatic dependent launch where the device has it (launch.rs): each
+    /// may start during the previous kernel's tail and waits inside for its results.
     fn encode(&mut self, rows: usize, n_logits: usize) -> Result<(), ModelError> {
         let c = &self.config;
-        let s = self.device.stream.clone();
+        let stream = self.device.stream.clone();
+        let s = &*stream;
+        let ab = self.ablation;
+        let pdl = self.device.pdl || (ab.force_pdl && self.device.pdl_capable);
+        let paired = self.paired_gate_up;
+        let whole_row_attention = self.whole_row_attention_for(rows);
         let k = &self.k;
         let gemm = &self.gemm;
         let lay = self.layout;
@@ -1082,169 +1262,202 @@ impl GpuTransformer {
             c.intermediate_size,
         );
         let width = qd + 2 * kvd;
-        let (h_i, w_i, hd_i, eps) = (h as i32, width as i32, hd as i32, c.rms_norm_eps);
-        let (nh_i, nkv_i, mb_i, bs_i) = (
-            c.num_heads as i32,
-            c.num_kv_heads as i32,
-            self.max_blocks as i32,
-            GPU_BLOCK_SIZE as i32,
+        let (h_i, w_i, hd_i, eps) = (
+            KernelArg::i32(h as i32),
+            KernelArg::i32(width as i32),
+            KernelArg::i32(hd as i32),
+            KernelArg::f32(c.rms_norm_eps),
         );
-        let (rows_i, ffn_i, qd_i) = (rows as i32, ffn as i32, qd as i32);
-        let max_keys_i = (self.max_blocks * GPU_BLOCK_SIZE) as i32;
-        let scale = 1.0 / (hd as f32).sqrt();
-        let null_rows: u64 = 0;
-        let tokens = buf.inputs.slice(lay.tokens..lay.tokens + rows);
-        let positions = buf.inputs.slice(lay.positions..lay.positions + rows);
-        let slots = buf.inputs.slice(lay.slots..lay.slots + rows);
-        let row_table = buf.inputs.slice(lay.row_table..lay.row_table + rows);
-        let logit_rows = buf.inputs.slice(lay.logit_rows..lay.logit_rows + n_logits);
-        let tables = buf.inputs.slice(lay.block_tables..lay.len);
+        let (nh_i, nkv_i) = (
+            KernelArg::i32(c.num_heads as i32),
+            KernelArg::i32(c.num_kv_heads as i32),
+        );
+        let (rows_i, ffn_i) = (KernelArg::i32(rows as i32), KernelArg::i32(ffn as i32));
+        let scale = KernelArg::f32(1.0 / (hd as f32).sqrt());
+        let arg = |p: &CudaView<'_, i32>| KernelArg::buf(p, s);
+        let tokens = arg(&buf.inputs.slice(lay.tokens..lay.tokens + rows));
+        let positions = arg(&buf.inputs.slice(lay.positions..lay.positions + rows));
+        let slots = arg(&buf.inputs.slice(lay.slots..lay.slots + rows));
+        let row_table = arg(&buf.inputs.slice(lay.row_table..lay.row_table + rows));
+        let logit_rows = arg(&buf.inputs.slice(lay.logit_rows..lay.logit_rows + n_logits));
+        let tables = arg(&buf.inputs.slice(lay.block_tables..lay.len));
+        let (x, act16, qkv) = (
+            KernelArg::buf(&buf.x, s),
+            KernelArg::buf(&buf.act16, s),
+            KernelArg::buf(&buf.qkv, s),
+        );
         let elems = |n: usize| LaunchConfig::for_num_elems(n as u32);
         let blas = |e: CudaError| ModelError::Gpu(e.to_string());
-
         // SAFETY (every launch below): buffers were allocated at construction for max_rows rows and
-        // max_logit_rows logits rows (run() checked rows and n_logits against them), and arguments
-        // follow the order and types of decoder.cu's signatures.
-        unsafe {
-            let mut b = s.launch_builder(&k.embed_rows);
-            b.arg(&self.embed).arg(&tokens).arg(&mut buf.x).arg(&h_i);
-            b.launch(rows_cfg(rows, 128)).map_err(gpu)?;
-        }
+        // max_logit_rows logits rows (run() checked rows and n_logits against them), arguments follow
+        // the order and types of decoder.cu's signatures, and every kernel launched here keeps the PDL
+        // contract (it waits before touching anything an earlier kernel wrote).
+        let go = |f: &CudaFunction, cfg: LaunchConfig, args: &[KernelArg]| {
+            unsafe { launch(s, f, cfg, args, pdl) }.map_err(gpu)
+        };
+
+        go(
+            &k.embed_rows,
+            rows_cfg(rows, 128),
+            &[KernelArg::buf(&self.embed, s), tokens, x, h_i],
+        )?;
         for (li, l) in self.layers.iter_mut().enumerate() {
-            unsafe {
-                let mut b = s.launch_builder(&k.rms_norm_bf16);
-                b.arg(&buf.x)
-                    .arg(&null_rows)
-                    .arg(&l.attn_norm)
-                    .arg(&mut buf.act16)
-                    .arg(&h_i)
-                    .arg(&eps);
-                b.launch(rows_cfg(rows, 128)).map_err(gpu)?;
+            let norm =
+                |w: &CudaSlice<f32>| [x, KernelArg::null(), KernelArg::buf(w, s), act16, h_i, eps];
+            if !ab.skip_norms {
+                go(&k.rms_norm_bf16, rows_cfg(rows, 256), &norm(&l.attn_norm))?;
             }
-            gemm.linear(&l.wqkv, &buf.act16, &mut buf.qkv, width, h, rows)
-                .map_err(blas)?;
+            if !ab.skip_layer_linears {
+                gemm.linear(&l.wqkv, &buf.act16, &mut buf.qkv, width, h, rows)
+                    .map_err(blas)?;
+            }
             if let Some(bq) = &l.bqkv {
-                let (r, d) = (rows_i, w_i);
-                let mut b = s.launch_builder(&k.add_bias_rows);
-                b.arg(&mut buf.qkv).arg(bq).arg(&r).arg(&d);
-                unsafe { b.launch(elems(rows * width)) }.map_err(gpu)?;
+                let args = [qkv, KernelArg::buf(bq, s), rows_i, w_i];
+                go(&k.add_bias_rows, elems(rows * width), &args)?;
             }
             if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
-                for (w, off, heads) in [(qn, 0i32, c.num_heads), (kn, qd_i, c.num_kv_heads)] {
-                    let mut b = s.launch_builder(&k.head_rms_norm);
-                    b.arg(&mut buf.qkv)
-                        .arg(&w_i)
-                        .arg(&off)
-                        .arg(w)
-                        .arg(&hd_i)
-                        .arg(&eps);
-                    unsafe { b.launch(grid_cfg(rows, heads, 128)) }.map_err(gpu)?;
+                for (w, off, heads) in [(qn, 0, c.num_heads), (kn, qd, c.num_kv_heads)] {
+                    let args = [
+                        qkv,
+                        w_i,
+                        KernelArg::i32(off as i32),
+                        KernelArg::buf(w, s),
+                        hd_i,
+                        eps,
+                    ];
+                    go(&k.head_rms_norm, grid_cfg(rows, heads, 128), &args)?;
                 }
             }
-            unsafe {
-                let mut b = s.launch_builder(&k.rope_kv_append);
-                b.arg(&mut buf.qkv)
-                    .arg(&w_i)
-                    .arg(&nh_i)
-                    .arg(&nkv_i)
-                    .arg(&hd_i)
-                    .arg(&positions)
-                    .arg(&self.inv_freq)
-                    .arg(&slots)
-                    .arg(&mut l.k_cache)
-                    .arg(&mut l.v_cache);
-                let heads = c.num_heads + 2 * c.num_kv_heads;
-                b.launch(grid_cfg(rows, heads, (hd / 2) as u32))
-                    .map_err(gpu)?;
+            let heads = c.num_heads + 2 * c.num_kv_heads;
+            if !ab.skip_rope_kv {
+                go(
+                    &k.rope_kv_append,
+                    grid_cfg(rows, heads, (hd / 2) as u32),
+                    &[
+                        qkv,
+                        w_i,
+                        nh_i,
+                        nkv_i,
+                        hd_i,
+                        positions,
+                        KernelArg::buf(&self.inv_freq, s),
+                        slots,
+                        KernelArg::buf(&l.k_cache, s),
+                        KernelArg::buf(&l.v_cache, s),
+                    ],
+                )?;
             }
-            unsafe {
-                let mut b = s.launch_builder(&k.attention);
-                b.arg(&buf.qkv)
-                    .arg(&w_i)
-                    .arg(&nh_i)
-                    .arg(&nkv_i)
-                    .arg(&hd_i)
-                    .arg(&positions)
-                    .arg(&row_table)
-                    .arg(&mb_i)
-                    .arg(&tables)
-                    .arg(&bs_i)
-                    .arg(&l.k_cache)
-                    .arg(&l.v_cache)
-                    .arg(&mut buf.act16)
-                    .arg(&scale)
-                    .arg(&max_keys_i);
-                let cfg = LaunchConfig {
-                    grid_dim: (rows as u32, c.num_kv_heads as u32, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: self.attention_smem as u32,
-                };
-                b.launch(cfg).map_err(gpu)?;
+            for _ in 0..(!ab.skip_attention as usize) * (1 + ab.double_attention as usize) {
+                let common = [
+                    qkv,
+                    w_i,
+                    nh_i,
+                    nkv_i,
+                    hd_i,
+                    positions,
+                    row_table,
+                    KernelArg::i32(self.max_blocks as i32),
+                    tables,
+                    KernelArg::i32(GPU_BLOCK_SIZE as i32),
+                    KernelArg::buf(&l.k_cache, s),
+                    KernelArg::buf(&l.v_cache, s),
+                    act16,
+                    scale,
+                ];
+                if whole_row_attention {
+                    let mut args = common.to_vec();
+                    args.push(KernelArg::i32((self.max_blocks * GPU_BLOCK_SIZE) as i32));
+                    let cfg = LaunchConfig {
+                        grid_dim: (rows as u32, c.num_kv_heads as u32, 1),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: self.attention_smem as u32,
+                    };
+                    go(&k.attention_whole_row, cfg, &args)?;
+                } else {
+                    let mut args = common.to_vec();
+                    args.push(KernelArg::buf(&buf.attn_partials, s));
+                    args.push(KernelArg::buf(&buf.attn_counters, s));
+                    let cfg = LaunchConfig {
+                        grid_dim: (rows as u32, c.num_kv_heads as u32, ATTN_MAX_SPLITS as u32),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: self.attention_split_smem as u32,
+                    };
+                    go(&k.attention, cfg, &args)?;
+                }
             }
             // O projection added onto the residual stream.
-            gemm.linear_acc(&l.wo, &buf.act16, &mut buf.x, h, qd, rows, true)
-                .map_err(blas)?;
+            if !ab.skip_layer_linears {
+                gemm.linear_acc(&l.wo, &buf.act16, &mut buf.x, h, qd, rows, true)
+                    .map_err(blas)?;
+            }
             if let Some(bo) = &l.bo {
-                let (r, d) = (rows_i, h_i);
-                let mut b = s.launch_builder(&k.add_bias_rows);
-                b.arg(&mut buf.x).arg(bo).arg(&r).arg(&d);
-                unsafe { b.launch(elems(rows * h)) }.map_err(gpu)?;
+                let args = [x, KernelArg::buf(bo, s), rows_i, h_i];
+                go(&k.add_bias_rows, elems(rows * h), &args)?;
             }
-            unsafe {
-                let mut b = s.launch_builder(&k.rms_norm_bf16);
-                b.arg(&buf.x)
-                    .arg(&null_rows)
-                    .arg(&l.ffn_norm)
-                    .arg(&mut buf.act16)
-                    .arg(&h_i)
-                    .arg(&eps);
-                b.launch(rows_cfg(rows, 128)).map_err(gpu)?;
+            if !ab.skip_norms {
+                go(&k.rms_norm_bf16, rows_cfg(rows, 256), &norm(&l.ffn_norm))?;
             }
-            gemm.linear(&l.w_gate_up, &buf.act16, &mut buf.gate_up, 2 * ffn, h, rows)
+            if ab.skip_layer_linears {
+                continue;
+            }
+            if paired {
+                // Gate/up with SwiGLU fused (or cuBLAS + the paired SwiGLU kernel, as tuned).
+                gemm.linear_swiglu(
+                    &l.w_gate_up,
+                    &buf.act16,
+                    &mut buf.gate_up,
+                    &mut buf.ffn_act16,
+                    2 * ffn,
+                    h,
+                    rows,
+                )
                 .map_err(blas)?;
-            unsafe {
-                let mut b = s.launch_builder(&k.swiglu_bf16);
-                b.arg(&buf.gate_up)
-                    .arg(&mut buf.act16)
-                    .arg(&rows_i)
-                    .arg(&ffn_i);
-                b.launch(elems(rows * ffn)).map_err(gpu)?;
+            } else {
+                gemm.linear(&l.w_gate_up, &buf.act16, &mut buf.gate_up, 2 * ffn, h, rows)
+                    .map_err(blas)?;
+                let args = [
+                    KernelArg::buf(&buf.gate_up, s),
+                    KernelArg::buf(&buf.ffn_act16, s),
+                    rows_i,
+                    ffn_i,
+                ];
+                go(&k.swiglu_bf16, elems(rows * ffn), &args)?;
             }
-            gemm.linear_acc(&l.w_down, &buf.act16, &mut buf.x, h, ffn, rows, true)
+            gemm.linear_acc(&l.w_down, &buf.ffn_act16, &mut buf.x, h, ffn, rows, true)
                 .map_err(blas)?;
-            copy_tapped_output(&s, &buf.x, taps, li, tap_buf, rows * h, max_rows * h)?;
+            copy_tapped_output(&stream, &buf.x, taps, li, tap_buf, rows * h, max_rows * h)?;
         }
         // Final norm of the logits rows only, LM head, greedy ids (none for a prefill chunk that
         // needs no logits).
-        if n_logits == 0 {
+        if n_logits == 0 || ab.skip_head {
             return Ok(());
         }
-        unsafe {
-            let mut b = s.launch_builder(&k.rms_norm_bf16);
-            b.arg(&buf.x)
-                .arg(&logit_rows)
-                .arg(&self.final_norm)
-                .arg(&mut buf.act16)
-                .arg(&h_i)
-                .arg(&eps);
-            b.launch(rows_cfg(n_logits, 128)).map_err(gpu)?;
-        }
+        let args = [
+            x,
+            logit_rows,
+            KernelArg::buf(&self.final_norm, s),
+            act16,
+            h_i,
+            eps,
+        ];
+        go(&k.rms_norm_bf16, rows_cfg(n_logits, 256), &args)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         gemm.linear(head, &buf.act16, &mut buf.logits, c.vocab_size, h, n_logits)
             .map_err(blas)?;
-        let vocab_i = c.vocab_size as i32;
-        unsafe {
-            let mut b = s.launch_builder(&k.argmax_rows);
-            b.arg(&buf.logits).arg(&vocab_i).arg(&mut buf.argmax);
-            b.launch(rows_cfg(n_logits, 1024)).map_err(gpu)?;
-        }
+        let args = [
+            KernelArg::buf(&buf.logits, s),
+            KernelArg::i32(c.vocab_size as i32),
+            KernelArg::buf(&buf.argmax, s),
+        ];
+        go(&k.argmax_rows, rows_cfg(n_logits, 1024), &args)?;
         Ok(())
     }
 }
 
 /// After layer `layer`: copies the residual stream (`x`, its first `n` values: the step's rows) into
 /// every tap slot that asked for this layer (slot `i` starts at `i * slot_len`). A device-to-device
-/// copy on the step's stream, so it is captured into graphs like the kernels around it.
+/// copy on the step's stream, so it is captured into graphs like the kernels around it; like cuBLAS
+/// it is no PDL launch, so it waits for the layer's last kernel and the next kernel waits for it.
 fn copy_tapped_output(
     s: &std::sync::Arc<cudarc::driver::CudaStream>,
     x: &CudaSlice<f32>,

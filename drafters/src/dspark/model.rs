@@ -11,18 +11,18 @@ use specula_model::transformer;
 use specula_model::{ModelError, SafetensorsSource, TensorSource, Transformer, WeightDtype};
 use std::path::Path;
 
-struct DraftLayer {
-    input_norm: Vec<f32>,
+pub(super) struct DraftLayer {
+    pub(super) input_norm: Vec<f32>,
     /// q, k and v stacked: the block rows need all three, context rows only k and v.
-    wqkv: Matrix,
+    pub(super) wqkv: Matrix,
     /// k and v stacked, for context rows.
-    wkv: Matrix,
-    q_norm: Vec<f32>,
-    k_norm: Vec<f32>,
-    wo: Matrix,
-    post_norm: Vec<f32>,
-    w_gate_up: Matrix,
-    w_down: Matrix,
+    pub(super) wkv: Matrix,
+    pub(super) q_norm: Vec<f32>,
+    pub(super) k_norm: Vec<f32>,
+    pub(super) wo: Matrix,
+    pub(super) post_norm: Vec<f32>,
+    pub(super) w_gate_up: Matrix,
+    pub(super) w_down: Matrix,
 }
 
 /// A DSpark drafter's weights plus the target's embedding and LM head it shares.
@@ -30,25 +30,25 @@ pub struct DSparkModel {
     pub config: DSparkConfig,
     /// Width of the target's hidden state (one tapped layer's output).
     pub target_hidden: usize,
-    fc: Matrix,
-    hidden_norm: Vec<f32>,
-    layers: Vec<DraftLayer>,
-    norm: Vec<f32>,
-    embed: Matrix,
-    lm_head: Matrix,
+    pub(super) fc: Matrix,
+    pub(super) hidden_norm: Vec<f32>,
+    pub(super) layers: Vec<DraftLayer>,
+    pub(super) norm: Vec<f32>,
+    pub(super) embed: Matrix,
+    pub(super) lm_head: Matrix,
     /// `[vocab, rank]`: the Markov embedding of the previous token.
-    markov_w1: Matrix,
+    pub(super) markov_w1: Matrix,
     /// `[draft vocab, rank]`: projects it to a logit bias.
-    markov_w2: Matrix,
+    pub(super) markov_w2: Matrix,
     /// `[hidden (+ rank)]` and bias; `None` without a confidence head.
-    confidence: Option<(Vec<f32>, f32)>,
+    pub(super) confidence: Option<(Vec<f32>, f32)>,
     /// Pruned draft vocabulary: target id of each draft id (from `d2t`: `i + d2t[i]`); `None` when
     /// the draft vocabulary is the target's.
-    draft_to_target: Option<Vec<u32>>,
+    pub(super) draft_to_target: Option<Vec<u32>>,
     /// Markov embedding row of each target id when `markov_w1` is indexed by draft ids (`None`: a
     /// target token outside the draft vocabulary, whose Markov embedding is zero).
-    markov_row_of_target: Option<Vec<Option<u32>>>,
-    inv_freq: Vec<f64>,
+    pub(super) markov_row_of_target: Option<Vec<Option<u32>>>,
+    pub(super) inv_freq: Vec<f64>,
 }
 
 /// Per-sequence context keys/values of every draft layer: one row per committed target position.

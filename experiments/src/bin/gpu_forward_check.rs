@@ -21,7 +21,7 @@ use rand_chacha::ChaCha8Rng;
 use specula_experiments::max_relative_error as max_rel;
 use specula_kernels::cuda::{Gemm, GpuDevice, LinearBackend};
 use specula_kernels::sampling::argmax;
-use specula_model::gpu::{GpuOptions, GpuSeqInput, GpuTransformer};
+use specula_model::gpu::{AttentionKernel, GpuOptions, GpuSeqInput, GpuTransformer, StepAblation};
 use specula_model::loader::load;
 use specula_model::random::{preset, random_transformer};
 use specula_model::{Arch, ModelConfig, SeqInput, Transformer, WeightDtype};
@@ -234,8 +234,10 @@ fn check_model(
     gpu.remove_sequence(gseq)?;
     cache.remove_sequence(seq)?;
 
-    // A batch of four sequences of different lengths.
-    let lens = [5usize, 33, 18, 70];
+    // A batch of four sequences of different lengths: one to four key slices in attention_split
+    // (128+ keys per slice), and slices of more than one 256-key tile where the context allows.
+    let room = cpu.config.max_position_embeddings.min(2048) - 40;
+    let lens = [5usize, 33, 300.min(room), 1400.min(room)];
     let seqs: Vec<_> = lens.iter().map(|_| cache.add_sequence()).collect();
     let gseqs: Vec<usize> = lens
         .iter()
@@ -247,7 +249,10 @@ fn check_model(
     let c = cpu_logits(cpu, &mut cache, &seqs, &refs, &nl)?;
     let g = gpu_logits(&mut gpu, &gseqs, &refs, &nl)?;
     tally.check(
-        "batched prefill, prompts of 5/33/18/70 tokens",
+        &format!(
+            "batched prefill, prompts of {}/{}/{}/{} tokens",
+            lens[0], lens[1], lens[2], lens[3]
+        ),
         max_rel(&g, &c),
     );
     let blocks: Vec<Vec<u32>> = [1usize, 3, 8, 16]
@@ -325,15 +330,30 @@ fn main() -> Result<()> {
     check_skinny(&mut tally, &mut rng)?;
     let opts = GpuOptions {
         max_sequences: 4,
-        max_positions: 1024,
+        max_positions: 2048,
         max_rows: 64,
     };
+    // Every scenario under each attention kernel: the launch-size choice (Auto) runs split-key
+    // attention for small launches and whole-row attention for large ones, so forcing each covers
+    // both kernels on short and long rows.
+    let kernels = [
+        AttentionKernel::Auto,
+        AttentionKernel::Split,
+        AttentionKernel::WholeRow,
+    ];
     for path in ["models/default/target", "models/default/draft"] {
         let loaded =
             load(path.as_ref(), WeightDtype::Bf16).with_context(|| format!("loading {path}"))?;
-        let gpu = GpuTransformer::upload(&loaded.model, opts.clone())?;
-        println!("GPU {} ({})", gpu.device.name, gpu.device.arch);
-        check_model(&mut tally, path, &loaded.model, gpu, quick)?;
+        for attention in kernels {
+            let mut gpu = GpuTransformer::upload(&loaded.model, opts.clone())?;
+            println!("GPU {} ({})", gpu.device.name, gpu.device.arch);
+            gpu.set_ablation(StepAblation {
+                attention,
+                ..Default::default()
+            });
+            let label = format!("{path}, attention {attention:?}");
+            check_model(&mut tally, &label, &loaded.model, gpu, quick)?;
+        }
     }
     for (name, arch, seed) in [
         (
@@ -346,8 +366,15 @@ fn main() -> Result<()> {
     ] {
         let config = tiny(arch)?;
         let cpu = random_transformer(config.clone(), seed)?;
-        let gpu = GpuTransformer::random(config, seed, opts.clone())?;
-        check_model(&mut tally, name, &cpu, gpu, quick)?;
+        for attention in kernels {
+            let mut gpu = GpuTransformer::random(config.clone(), seed, opts.clone())?;
+            gpu.set_ablation(StepAblation {
+                attention,
+                ..Default::default()
+            });
+            let label = format!("{name}, attention {attention:?}");
+            check_model(&mut tally, &label, &cpu, gpu, quick)?;
+        }
     }
     println!(
         "worst relative error {:.3e} (limit {LIMIT:.0e}); {} failures",

@@ -9,11 +9,10 @@
 //! Which one serves a (rows, cols, activation-row bucket) is measured, not assumed: `tune` times both
 //! on the device and remembers the faster; untuned skinny-capable shapes use the skinny kernel.
 
+use super::launch::{launch, KernelArg};
 use super::{CudaError, GpuDevice};
 use cudarc::cublas::{sys, CudaBlas};
-use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -66,6 +65,15 @@ pub struct Gemm {
     /// skinny_linear_m8, m16, m32, m64.
     skinny: [CudaFunction; 4],
     choices: HashMap<(usize, usize, usize), LinearBackend>,
+    /// skinny_linear_swiglu_m8, m16, m32, m64 (gate/up with SwiGLU in the epilogue).
+    skinny_swiglu: [CudaFunction; 4],
+    /// SwiGLU over a paired gate/up output (after cuBLAS).
+    swiglu_paired: CudaFunction,
+    /// Per (rows, cols, bucket) of a paired gate/up matrix: true = the fused skinny kernel, false =
+    /// cuBLAS then `swiglu_bf16_paired` (measured by `tune_swiglu`).
+    swiglu_fused: HashMap<(usize, usize, usize), bool>,
+    /// Launch the skinny kernels with programmatic dependent launch (launch.rs).
+    pdl: bool,
 }
 
 /// The skinny kernel's bucket for `n` activation rows (index into `Gemm::skinny` and its row count).
@@ -110,6 +118,15 @@ impl Gemm {
                 device.function("skinny_linear_m64")?,
             ],
             choices: HashMap::new(),
+            skinny_swiglu: [
+                device.function("skinny_linear_swiglu_m8")?,
+                device.function("skinny_linear_swiglu_m16")?,
+                device.function("skinny_linear_swiglu_m32")?,
+                device.function("skinny_linear_swiglu_m64")?,
+            ],
+            swiglu_paired: device.function("swiglu_bf16_paired")?,
+            swiglu_fused: HashMap::new(),
+            pdl: device.pdl,
         })
     }
 
@@ -195,32 +212,184 @@ impl Gemm {
                     // Split blocks add into the output: start from zeros.
                     self.stream.memset_zeros(&mut out.slice_mut(..n * rows))?;
                 }
-                let (r, c, m, acc, sp) = (
-                    rows as i32,
-                    cols as i32,
-                    n as i32,
-                    accumulate as i32,
-                    splits as i32,
-                );
-                let mut b = self.stream.launch_builder(&self.skinny[kernel]);
-                b.arg(w)
-                    .arg(x)
-                    .arg(out)
-                    .arg(&r)
-                    .arg(&c)
-                    .arg(&m)
-                    .arg(&acc)
-                    .arg(&sp);
+                let s = &*self.stream;
+                let args = [
+                    KernelArg::buf(w, s),
+                    KernelArg::buf(x, s),
+                    KernelArg::buf(out, s),
+                    KernelArg::i32(rows as i32),
+                    KernelArg::i32(cols as i32),
+                    KernelArg::i32(n as i32),
+                    KernelArg::i32(accumulate as i32),
+                    KernelArg::i32(splits as i32),
+                ];
                 let cfg = LaunchConfig {
                     grid_dim: (rows.div_ceil(16) as u32, splits, 1),
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                // SAFETY: buffer sizes checked above; arguments in skinny_linear_m*'s order and types.
-                unsafe { b.launch(cfg) }?;
+                // SAFETY: buffer sizes checked above; arguments in skinny_linear_m*'s order and types;
+                // the kernel keeps the PDL contract (weights only before its wait).
+                unsafe { launch(s, &self.skinny[kernel], cfg, &args, self.pdl) }?;
                 Ok(())
             }
         }
+    }
+
+    /// Switches programmatic dependent launch of the skinny kernels (side-by-side timing).
+    pub fn set_pdl(&mut self, pdl: bool) {
+        self.pdl = pdl;
+    }
+
+    /// The gate/up projection followed by SwiGLU, for a gate/up matrix whose rows are interleaved in
+    /// groups of 8 (`interleave_gate_up`): `act[t, f] = silu(gate[t, f]) * up[t, f]` as bf16 for `t < n`,
+    /// `f < rows / 2`. Either one fused skinny launch, or cuBLAS into `scratch` (`[n, rows]` f32) and
+    /// `swiglu_bf16_paired`; which one is measured by `tune_swiglu` (fused where untuned and it fits).
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_swiglu(
+        &self,
+        w: &CudaSlice<u16>,
+        x: &CudaSlice<u16>,
+        scratch: &mut CudaSlice<f32>,
+        act: &mut CudaSlice<u16>,
+        rows: usize,
+        cols: usize,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        let fused = skinny_bucket(n).is_some_and(|(_, b)| {
+            Self::skinny_fits(cols, n) && *self.swiglu_fused.get(&(rows, cols, b)).unwrap_or(&true)
+        });
+        self.linear_swiglu_with(fused, w, x, scratch, act, rows, cols, n)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn linear_swiglu_with(
+        &self,
+        fused: bool,
+        w: &CudaSlice<u16>,
+        x: &CudaSlice<u16>,
+        scratch: &mut CudaSlice<f32>,
+        act: &mut CudaSlice<u16>,
+        rows: usize,
+        cols: usize,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        let ffn = rows / 2;
+        if !rows.is_multiple_of(16)
+            || w.len() < rows * cols
+            || x.len() < n * cols
+            || act.len() < n * ffn
+        {
+            return Err(CudaError::Shape(format!(
+                "paired gate/up {rows}x{cols} on {n} rows: needs rows % 16 == 0 and buffers of {}, {}, {} elements (have {}, {}, {})",
+                rows * cols,
+                n * cols,
+                n * ffn,
+                w.len(),
+                x.len(),
+                act.len()
+            )));
+        }
+        let s = &*self.stream;
+        if fused {
+            let (kernel, _) = skinny_bucket(n)
+                .filter(|_| cols.is_multiple_of(32))
+                .ok_or_else(|| CudaError::Shape(format!("fused SwiGLU needs 1..={SKINNY_MAX_ROWS} rows and cols % 32 == 0, got {n} rows, {cols} cols")))?;
+            let args = [
+                KernelArg::buf(w, s),
+                KernelArg::buf(x, s),
+                KernelArg::buf(act, s),
+                KernelArg::i32(rows as i32),
+                KernelArg::i32(cols as i32),
+                KernelArg::i32(n as i32),
+            ];
+            let cfg = LaunchConfig {
+                grid_dim: (rows.div_ceil(16) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: sizes checked above; arguments in skinny_linear_swiglu_m*'s order and types.
+            return unsafe { launch(s, &self.skinny_swiglu[kernel], cfg, &args, self.pdl) };
+        }
+        if scratch.len() < n * rows {
+            return Err(CudaError::Shape(format!(
+                "paired gate/up scratch of {} elements for {n} x {rows}",
+                scratch.len()
+            )));
+        }
+        self.cublas(w, x, scratch, rows, cols, n, false)?;
+        let args = [
+            KernelArg::buf(scratch, s),
+            KernelArg::buf(act, s),
+            KernelArg::i32(n as i32),
+            KernelArg::i32(ffn as i32),
+        ];
+        // SAFETY: scratch holds n x rows, act n x ffn (checked); swiglu_bf16_paired's argument order.
+        unsafe {
+            launch(
+                s,
+                &self.swiglu_paired,
+                LaunchConfig::for_num_elems((n * ffn) as u32),
+                &args,
+                self.pdl,
+            )
+        }
+    }
+
+    /// Times the fused gate/up + SwiGLU kernel against cuBLAS + `swiglu_bf16_paired` for each
+    /// activation-row bucket (as `tune`: CUDA events, median of `reps`, cycling over `weights`) and
+    /// remembers the faster. Returns (tokens, fused us, cuBLAS + SwiGLU us) per bucket.
+    pub fn tune_swiglu(
+        &mut self,
+        weights: &[&CudaSlice<u16>],
+        rows: usize,
+        cols: usize,
+        tokens: &[usize],
+        reps: usize,
+    ) -> Result<Vec<(usize, f64, f64)>, CudaError> {
+        let max_n = tokens.iter().copied().max().unwrap_or(0);
+        if weights.is_empty() || max_n == 0 {
+            return Ok(Vec::new());
+        }
+        let s = self.stream.clone();
+        let x_host: Vec<u16> = (0..max_n * cols)
+            .map(|i| 0x3c00u16 + (i % 251) as u16)
+            .collect();
+        let x = s.clone_htod(&x_host)?;
+        let mut scratch = s.alloc_zeros::<f32>(max_n * rows)?;
+        let mut act = s.alloc_zeros::<u16>(max_n * (rows / 2))?;
+        let ctx = s.context().clone();
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let (start, end) = (ctx.new_event(flags)?, ctx.new_event(flags)?);
+        let mut out = Vec::new();
+        for &n in tokens {
+            if !Self::skinny_fits(cols, n) {
+                continue;
+            }
+            let mut next = 0usize;
+            let mut time = |fused| -> Result<f64, CudaError> {
+                for w in weights.iter().take(3) {
+                    self.linear_swiglu_with(fused, w, &x, &mut scratch, &mut act, rows, cols, n)?;
+                }
+                let mut samples = Vec::with_capacity(reps);
+                for _ in 0..reps.max(1) {
+                    let w = weights[next % weights.len()];
+                    next += 1;
+                    start.record(&s)?;
+                    self.linear_swiglu_with(fused, w, &x, &mut scratch, &mut act, rows, cols, n)?;
+                    end.record(&s)?;
+                    samples.push(start.elapsed_ms(&end)? as f64 * 1e3);
+                }
+                Ok(median(samples))
+            };
+            let fused_us = time(true)?;
+            let split_us = time(false)?;
+            let bucket = skinny_bucket(n).map_or(n, |(_, b)| b);
+            self.swiglu_fused
+                .insert((rows, cols, bucket), fused_us <= split_us);
+            out.push((n, fused_us, split_us));
+        }
+        Ok(out)
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -4,9 +4,12 @@
 //! (cudarc panics on a missing library otherwise) and reports what is missing and that the CPU backend is
 //! the fallback.
 
+pub mod dspark;
 mod gemm;
+pub mod launch;
 pub mod sampling;
 pub use gemm::{Gemm, LinearBackend, LinearChoice, SKINNY_MAX_ROWS};
+pub use launch::{launch, KernelArg};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
@@ -16,12 +19,23 @@ use std::sync::Arc;
 pub const KERNEL_SOURCES: &[(&str, &str)] = &[
     ("decoder.cu", include_str!("../../cuda/decoder.cu")),
     ("sampling.cu", include_str!("../../cuda/sampling.cu")),
+    // Appended to sampling.cu: the DSpark Markov loop calls its device functions (one NVRTC program,
+    // since the sources are embedded strings and NVRTC cannot link device code across programs here).
+    (
+        "dspark.cu",
+        concat!(
+            include_str!("../../cuda/sampling.cu"),
+            "\n",
+            include_str!("../../cuda/dspark.cu")
+        ),
+    ),
 ];
 
 /// The kernels each source must export, by file name (the compile test checks every one).
 pub const EXPORTED_KERNELS: &[(&str, &[&str])] = &[
     ("decoder.cu", DECODER_KERNELS),
     ("sampling.cu", sampling::SAMPLING_KERNELS),
+    ("dspark.cu", dspark::DSPARK_KERNELS),
 ];
 
 /// The kernels `decoder.cu` must export (checked at load so a rename fails at start, not mid-step).
@@ -47,6 +61,13 @@ pub const DECODER_KERNELS: &[&str] = &[
     "skinny_linear_m16",
     "skinny_linear_m32",
     "skinny_linear_m64",
+    "skinny_linear_swiglu_m8",
+    "skinny_linear_swiglu_m16",
+    "skinny_linear_swiglu_m32",
+    "skinny_linear_swiglu_m64",
+    "interleave_gate_up",
+    "swiglu_bf16_paired",
+    "attention_split",
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -143,6 +164,10 @@ pub struct GpuDevice {
     pub module: Arc<CudaModule>,
     pub name: String,
     pub arch: String,
+    /// Programmatic dependent launch for the step's own kernels (sm_90+ and `SPECULA_PDL=1`).
+    pub pdl: bool,
+    /// Whether the device can do programmatic dependent launch at all (sm_90+).
+    pub pdl_capable: bool,
 }
 
 impl GpuDevice {
@@ -168,6 +193,8 @@ impl GpuDevice {
         // A stream of its own: the legacy default stream cannot be captured into a CUDA graph.
         let stream = ctx.new_stream()?;
         Ok(GpuDevice {
+            pdl: launch::pdl_supported(major),
+            pdl_capable: major >= 9,
             name: ctx.name()?,
             ctx,
             stream,

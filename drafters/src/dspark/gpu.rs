@@ -1,0 +1,869 @@
+//! The DSpark draft network on the CUDA backend (feature `cuda`): the same computation as `model.rs`,
+//! with bf16 weights on the device (uploaded from a loaded [`DSparkModel`], including the embedding and
+//! LM head it shares with the target) and f32 activations feeding the linear layers as bf16 (the
+//! `GpuTransformer` convention: bf16 x bf16 -> f32 on `cuda::Gemm`).
+//!
+//! Per-sequence context keys/values live on the device, one contiguous slot of `max_context` positions
+//! per sequence and layer. A context append projects the host's tapped target features through `fc`,
+//! `hidden_norm` and every layer's k/v (k_norm, RoPE at their own positions) into the slot. The block
+//! pass writes the block's own keys/values right after the context and attends to context + block with
+//! no mask (`dspark_block_attention`); the next append overwrites those rows, so the block is never
+//! cached and a rejection needs no rollback — as on the CPU, where context rows are only ever appended
+//! for committed positions. The Markov loop runs every slot of every sequence in one launch
+//! (`dspark_markov_loop`).
+
+use super::model::{BlockOutput, DSparkModel};
+use crate::DraftError;
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use specula_kernels::cuda::dspark::{
+    decode_markov_status, pack_markov_params, BlockAttention, DSparkKernels, MarkovFailure,
+    MarkovLoop, MarkovSeqParams, STATUS_INTS,
+};
+use specula_kernels::cuda::{CudaError, Gemm, GpuDevice};
+use specula_kernels::Matrix;
+use std::sync::Arc;
+
+fn gpu(e: impl Into<CudaError>) -> DraftError {
+    DraftError::Gpu(e.into().to_string())
+}
+
+/// Capacities of a [`GpuDSpark`], fixed at construction (every buffer is allocated from them).
+#[derive(Debug, Clone)]
+pub struct GpuDSparkOptions {
+    /// Sequences held at once; also the largest batch of one proposal.
+    pub max_sequences: usize,
+    /// Context positions per sequence, the block's own rows included (the attention kernel's shared
+    /// memory grows with it).
+    pub max_context: usize,
+    /// Feature rows per device launch of a context append; longer appends (a prompt) are chunked.
+    pub max_append_rows: usize,
+}
+
+impl Default for GpuDSparkOptions {
+    fn default() -> Self {
+        GpuDSparkOptions {
+            max_sequences: 8,
+            max_context: 4096,
+            max_append_rows: 256,
+        }
+    }
+}
+
+/// One sequence's block in a [`GpuDSpark::block_pass`].
+#[derive(Debug, Clone, Copy)]
+pub struct GpuBlock {
+    pub slot: usize,
+    /// Context rows the sequence holds (the block sits at positions ctx_len .. ctx_len + g).
+    pub ctx_len: usize,
+    pub anchor: u32,
+}
+
+/// One sequence's result of the Markov loop.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MarkovResult {
+    /// Drafted tokens (target ids).
+    pub tokens: Vec<u32>,
+    /// The draft distribution q of each drafted slot over target ids, as the CPU drafter returns it:
+    /// `min(vocab_limit, vocab)` entries, 0 for ids outside a pruned draft vocabulary.
+    pub probs: Vec<Vec<f32>>,
+    /// Pre-sigmoid confidence logits of the drafted slots (empty without a confidence head).
+    pub confidence_logits: Vec<f32>,
+}
+
+struct GpuLayer {
+    input_norm: CudaSlice<f32>,
+    wqkv: CudaSlice<u16>,
+    wkv: CudaSlice<u16>,
+    q_norm: CudaSlice<f32>,
+    k_norm: CudaSlice<f32>,
+    wo: CudaSlice<u16>,
+    post_norm: CudaSlice<f32>,
+    w_gate_up: CudaSlice<u16>,
+    w_down: CudaSlice<u16>,
+    /// `[max_sequences * max_context, kv_dim]`: context keys (k_norm, RoPE) and values, then the
+    /// current block's.
+    k_ctx: CudaSlice<f32>,
+    v_ctx: CudaSlice<f32>,
+}
+
+struct DecoderFns {
+    embed_rows: CudaFunction,
+    rms_norm: CudaFunction,
+    rms_norm_bf16: CudaFunction,
+    head_rms_norm: CudaFunction,
+    rope_kv_append: CudaFunction,
+    swiglu_bf16: CudaFunction,
+    f32_to_bf16_rows: CudaFunction,
+}
+
+/// Sections of the packed i32 step inputs, each `rows` long.
+const IN_IDS: usize = 0;
+const IN_POSITIONS: usize = 1;
+const IN_SLOTS: usize = 2;
+const IN_KEY_COUNTS: usize = 3;
+const IN_SEQ_OF_ROW: usize = 4;
+const IN_SECTIONS: usize = 5;
+
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    h: usize,
+    qd: usize,
+    kvd: usize,
+    hd: usize,
+    nh: usize,
+    nkv: usize,
+    ffn: usize,
+    g: usize,
+    vd: usize,
+    vocab: usize,
+    rank: usize,
+    feature_width: usize,
+    eps: f32,
+    mask: u32,
+}
+
+/// A DSpark drafter's network resident on the GPU, with device context K/V for up to
+/// `max_sequences` sequences.
+pub struct GpuDSpark {
+    device: Arc<GpuDevice>,
+    gemm: Gemm,
+    kernels: DSparkKernels,
+    k: DecoderFns,
+    d: Dims,
+    opts: GpuDSparkOptions,
+    fc: CudaSlice<u16>,
+    hidden_norm: CudaSlice<f32>,
+    layers: Vec<GpuLayer>,
+    norm: CudaSlice<f32>,
+    embed: CudaSlice<u16>,
+    lm_head: CudaSlice<u16>,
+    w1: CudaSlice<u16>,
+    w2: CudaSlice<u16>,
+    w1_row_of_token: Option<CudaSlice<i32>>,
+    draft_to_target: Option<CudaSlice<i32>>,
+    /// The same map on the host, to place draft distributions on target ids.
+    host_draft_to_target: Option<Vec<u32>>,
+    confidence: Option<(CudaSlice<f32>, f32)>,
+    inv_freq: CudaSlice<f64>,
+    free_slots: Vec<usize>,
+    /// Rows of one launch: max(block rows, append rows).
+    max_rows: usize,
+    /// Block rows of one proposal: max_sequences * g.
+    max_block_rows: usize,
+    host_inputs: Vec<i32>,
+    inputs: CudaSlice<i32>,
+    features: CudaSlice<f32>,
+    x: CudaSlice<f32>,
+    act16: CudaSlice<u16>,
+    qkv: CudaSlice<f32>,
+    gate_up: CudaSlice<f32>,
+    hidden: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+    corrected: CudaSlice<f32>,
+    masked: CudaSlice<f32>,
+    probs: CudaSlice<f32>,
+    conf: CudaSlice<f32>,
+    tokens: CudaSlice<i32>,
+    status: CudaSlice<i32>,
+    seq_i: CudaSlice<i32>,
+    seq_f: CudaSlice<f32>,
+    uniforms: CudaSlice<f64>,
+    /// Batch of the last block pass (what `read_block_outputs` and the Markov loop may read).
+    last_batch: usize,
+}
+
+fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn grid_cfg(x: usize, y: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (x as u32, y as u32, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn int(v: usize) -> Result<i32, DraftError> {
+    i32::try_from(v).map_err(|_| DraftError::Gpu(format!("{v} does not fit the kernels' int")))
+}
+
+impl GpuDSpark {
+    /// Opens GPU 0 (checking for a driver first, so a machine without one gets an error naming the CPU
+    /// drafter rather than a panic) and uploads `model`.
+    pub fn open(model: &DSparkModel, opts: GpuDSparkOptions) -> Result<GpuDSpark, DraftError> {
+        if !specula_kernels::cuda::driver_available() {
+            return Err(gpu(CudaError::NoDriver));
+        }
+        let device = Arc::new(GpuDevice::new(0).map_err(gpu)?);
+        Self::new(model, device, opts)
+    }
+
+    /// Uploads `model` to `device` (bf16 weights; f32 norms, confidence head and RoPE frequencies).
+    pub fn new(
+        model: &DSparkModel,
+        device: Arc<GpuDevice>,
+        opts: GpuDSparkOptions,
+    ) -> Result<GpuDSpark, DraftError> {
+        let c = &model.config;
+        let d = Dims {
+            h: c.hidden_size,
+            qd: c.q_dim(),
+            kvd: c.kv_dim(),
+            hd: c.head_dim(),
+            nh: c.num_attention_heads,
+            nkv: c.num_key_value_heads,
+            ffn: c.intermediate_size,
+            g: c.block_size,
+            vd: model.draft_vocab(),
+            vocab: c.vocab_size,
+            rank: c.markov_rank,
+            feature_width: model.feature_width(),
+            eps: c.rms_norm_eps,
+            mask: c.mask_token_id,
+        };
+        if opts.max_sequences == 0 || opts.max_append_rows == 0 {
+            return Err(DraftError::Config(
+                "GPU DSpark options: max_sequences and max_append_rows must be positive".into(),
+            ));
+        }
+        if opts.max_context <= d.g {
+            return Err(DraftError::Config(format!(
+                "GPU DSpark options: max_context {} leaves no room for context beside a block of {}",
+                opts.max_context, d.g
+            )));
+        }
+        let mut kernels = DSparkKernels::new(&device).map_err(gpu)?;
+        kernels
+            .prepare_attention(d.nh, d.nkv, d.hd, opts.max_context)
+            .map_err(gpu)?;
+        let gemm = Gemm::new(&device).map_err(gpu)?;
+        let f = |n: &str| device.function(n).map_err(gpu);
+        let k = DecoderFns {
+            embed_rows: f("embed_rows")?,
+            rms_norm: f("rms_norm")?,
+            rms_norm_bf16: f("rms_norm_bf16")?,
+            head_rms_norm: f("head_rms_norm")?,
+            rope_kv_append: f("rope_kv_append")?,
+            swiglu_bf16: f("swiglu_bf16")?,
+            f32_to_bf16_rows: f("f32_to_bf16_rows")?,
+        };
+        let s = device.stream.clone();
+        let mat = |m: &Matrix| s.clone_htod(&m.bf16_bits()).map_err(gpu);
+        let vec = |v: &[f32]| s.clone_htod(v).map_err(gpu);
+        let ctx_len = opts.max_sequences * opts.max_context * d.kvd;
+        let mut layers = Vec::with_capacity(model.layers.len());
+        for l in &model.layers {
+            layers.push(GpuLayer {
+                input_norm: vec(&l.input_norm)?,
+                wqkv: mat(&l.wqkv)?,
+                wkv: mat(&l.wkv)?,
+                q_norm: vec(&l.q_norm)?,
+                k_norm: vec(&l.k_norm)?,
+                wo: mat(&l.wo)?,
+                post_norm: vec(&l.post_norm)?,
+                w_gate_up: mat(&l.w_gate_up)?,
+                w_down: mat(&l.w_down)?,
+                k_ctx: s.alloc_zeros::<f32>(ctx_len).map_err(gpu)?,
+                v_ctx: s.alloc_zeros::<f32>(ctx_len).map_err(gpu)?,
+            });
+        }
+        let ids = |v: &[u32]| -> Result<CudaSlice<i32>, DraftError> {
+            let v: Vec<i32> = v.iter().map(|&x| x as i32).collect();
+            s.clone_htod(&v).map_err(gpu)
+        };
+        let w1_row_of_token = match &model.markov_row_of_target {
+            Some(rows) => {
+                let v: Vec<i32> = rows.iter().map(|r| r.map_or(-1, |r| r as i32)).collect();
+                Some(s.clone_htod(&v).map_err(gpu)?)
+            }
+            None => None,
+        };
+        let draft_to_target = match &model.draft_to_target {
+            Some(m) => Some(ids(m)?),
+            None => None,
+        };
+        let confidence = match &model.confidence {
+            Some((w, b)) => Some((vec(w)?, *b)),
+            None => None,
+        };
+        let max_block_rows = opts.max_sequences * d.g;
+        let max_rows = max_block_rows.max(opts.max_append_rows);
+        let width = d.qd + 2 * d.kvd;
+        let act_width = d.h.max(d.qd).max(d.ffn).max(d.feature_width);
+        let zeros_f32 = |n: usize| s.alloc_zeros::<f32>(n.max(1)).map_err(gpu);
+        let out = GpuDSpark {
+            fc: mat(&model.fc)?,
+            hidden_norm: vec(&model.hidden_norm)?,
+            norm: vec(&model.norm)?,
+            embed: mat(&model.embed)?,
+            lm_head: mat(&model.lm_head)?,
+            w1: mat(&model.markov_w1)?,
+            w2: mat(&model.markov_w2)?,
+            inv_freq: s.clone_htod(&model.inv_freq).map_err(gpu)?,
+            layers,
+            w1_row_of_token,
+            draft_to_target,
+            host_draft_to_target: model.draft_to_target.clone(),
+            confidence,
+            free_slots: (0..opts.max_sequences).rev().collect(),
+            host_inputs: vec![0; IN_SECTIONS * max_rows],
+            inputs: s.alloc_zeros::<i32>(IN_SECTIONS * max_rows).map_err(gpu)?,
+            features: zeros_f32(opts.max_append_rows * d.feature_width)?,
+            x: zeros_f32(max_rows * d.h)?,
+            act16: s.alloc_zeros::<u16>(max_rows * act_width).map_err(gpu)?,
+            qkv: zeros_f32(max_rows * width)?,
+            gate_up: zeros_f32(max_block_rows * 2 * d.ffn)?,
+            hidden: zeros_f32(max_block_rows * d.h)?,
+            logits: zeros_f32(max_block_rows * d.vd)?,
+            corrected: zeros_f32(max_block_rows * d.vd)?,
+            masked: zeros_f32(max_block_rows * d.vd)?,
+            probs: zeros_f32(max_block_rows * d.vd)?,
+            conf: zeros_f32(max_block_rows)?,
+            tokens: s.alloc_zeros::<i32>(max_block_rows).map_err(gpu)?,
+            status: s
+                .alloc_zeros::<i32>(opts.max_sequences * STATUS_INTS)
+                .map_err(gpu)?,
+            seq_i: s
+                .alloc_zeros::<i32>(opts.max_sequences * specula_kernels::cuda::dspark::SEQ_INTS)
+                .map_err(gpu)?,
+            seq_f: zeros_f32(opts.max_sequences * specula_kernels::cuda::dspark::SEQ_FLOATS)?,
+            uniforms: s.alloc_zeros::<f64>(max_block_rows).map_err(gpu)?,
+            max_rows,
+            max_block_rows,
+            last_batch: 0,
+            device,
+            gemm,
+            kernels,
+            k,
+            d,
+            opts,
+        };
+        s.synchronize().map_err(gpu)?;
+        Ok(out)
+    }
+
+    pub fn device(&self) -> &Arc<GpuDevice> {
+        &self.device
+    }
+
+    pub fn options(&self) -> &GpuDSparkOptions {
+        &self.opts
+    }
+
+    /// Takes a free context slot.
+    pub fn add_slot(&mut self) -> Result<usize, DraftError> {
+        self.free_slots.pop().ok_or_else(|| {
+            DraftError::Gpu(format!(
+                "the GPU DSpark drafter holds at most {} sequences",
+                self.opts.max_sequences
+            ))
+        })
+    }
+
+    /// Returns a slot (its rows are simply overwritten by the next owner).
+    pub fn remove_slot(&mut self, slot: usize) {
+        if slot < self.opts.max_sequences && !self.free_slots.contains(&slot) {
+            self.free_slots.push(slot);
+        }
+    }
+
+    /// The most context rows a sequence may hold (a block must still fit after them).
+    pub fn context_capacity(&self) -> usize {
+        self.opts.max_context - self.d.g
+    }
+
+    /// Projects `features` (`[n, feature_width]`, the target positions `start .. start + n` of the
+    /// sequence in `slot`) into every layer's context K/V, as `DSparkModel::append_context`.
+    pub fn append_context(
+        &mut self,
+        slot: usize,
+        start: usize,
+        features: &[f32],
+    ) -> Result<(), DraftError> {
+        let d = self.d;
+        let w = d.feature_width;
+        if !features.len().is_multiple_of(w) {
+            return Err(DraftError::Config(format!(
+                "context features of length {} are not rows of {w}",
+                features.len()
+            )));
+        }
+        let n = features.len() / w;
+        if slot >= self.opts.max_sequences {
+            return Err(DraftError::Gpu(format!("no context slot {slot}")));
+        }
+        if start + n > self.context_capacity() {
+            return Err(DraftError::Gpu(format!(
+                "context of {} positions exceeds the GPU DSpark drafter's capacity of {} \
+                 (GpuDSparkOptions::max_context {} minus a block of {})",
+                start + n,
+                self.context_capacity(),
+                self.opts.max_context,
+                d.g
+            )));
+        }
+        let mut done = 0;
+        while done < n {
+            let rows = (n - done).min(self.opts.max_append_rows);
+            self.append_chunk(
+                slot,
+                start + done,
+                &features[done * w..(done + rows) * w],
+                rows,
+            )?;
+            done += rows;
+        }
+        Ok(())
+    }
+
+    fn append_chunk(
+        &mut self,
+        slot: usize,
+        start: usize,
+        features: &[f32],
+        n: usize,
+    ) -> Result<(), DraftError> {
+        let d = self.d;
+        let s = self.device.stream.clone();
+        let mr = self.max_rows;
+        for i in 0..n {
+            let pos = start + i;
+            self.host_inputs[IN_POSITIONS * mr + i] = int(pos)?;
+            self.host_inputs[IN_SLOTS * mr + i] = int(slot * self.opts.max_context + pos)?;
+        }
+        s.memcpy_htod(&self.host_inputs, &mut self.inputs)
+            .map_err(gpu)?;
+        s.memcpy_htod(features, &mut self.features.slice_mut(..features.len()))
+            .map_err(gpu)?;
+        let (h_i, hd_i, nkv_i, kv2_i, eps) =
+            (int(d.h)?, int(d.hd)?, int(d.nkv)?, int(2 * d.kvd)?, d.eps);
+        let zero = 0i32;
+        let null: u64 = 0;
+        let n_feat = int(n * d.feature_width)?;
+        let positions = self.inputs.slice(IN_POSITIONS * mr..IN_POSITIONS * mr + n);
+        let slots = self.inputs.slice(IN_SLOTS * mr..IN_SLOTS * mr + n);
+        // SAFETY (every launch below): buffers were allocated for max_rows rows (n <= max_append_rows
+        // <= max_rows) and the slot rows start .. start + n lie inside the sequence's context slot
+        // (checked by append_context); arguments follow decoder.cu's signatures.
+        unsafe {
+            let mut b = s.launch_builder(&self.k.f32_to_bf16_rows);
+            b.arg(&self.features).arg(&mut self.act16).arg(&n_feat);
+            b.launch(LaunchConfig::for_num_elems((n * d.feature_width) as u32))
+                .map_err(gpu)?;
+        }
+        self.gemm
+            .linear(&self.fc, &self.act16, &mut self.x, d.h, d.feature_width, n)
+            .map_err(gpu)?;
+        unsafe {
+            let mut b = s.launch_builder(&self.k.rms_norm_bf16);
+            b.arg(&self.x)
+                .arg(&null)
+                .arg(&self.hidden_norm)
+                .arg(&mut self.act16)
+                .arg(&h_i)
+                .arg(&eps);
+            b.launch(rows_cfg(n, 128)).map_err(gpu)?;
+        }
+        for l in &mut self.layers {
+            self.gemm
+                .linear(&l.wkv, &self.act16, &mut self.qkv, 2 * d.kvd, d.h, n)
+                .map_err(gpu)?;
+            unsafe {
+                let mut b = s.launch_builder(&self.k.head_rms_norm);
+                b.arg(&mut self.qkv)
+                    .arg(&kv2_i)
+                    .arg(&zero)
+                    .arg(&l.k_norm)
+                    .arg(&hd_i)
+                    .arg(&eps);
+                b.launch(grid_cfg(n, d.nkv, 128)).map_err(gpu)?;
+            }
+            // rope_kv_append with no query heads: rows are [k | v]; k heads are rotated and stored,
+            // v heads copied, at the slot rows of positions start .. start + n.
+            unsafe {
+                let mut b = s.launch_builder(&self.k.rope_kv_append);
+                b.arg(&mut self.qkv)
+                    .arg(&kv2_i)
+                    .arg(&zero)
+                    .arg(&nkv_i)
+                    .arg(&hd_i)
+                    .arg(&positions)
+                    .arg(&self.inv_freq)
+                    .arg(&slots)
+                    .arg(&mut l.k_ctx)
+                    .arg(&mut l.v_ctx);
+                b.launch(grid_cfg(n, 2 * d.nkv, (d.hd / 2) as u32))
+                    .map_err(gpu)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One non-causal pass over the blocks `[anchor, mask x (g - 1)]` of several sequences, as
+    /// `DSparkModel::block_forward`; the outputs stay on the device for [`Self::markov_loop`] (and
+    /// [`Self::read_block_outputs`]).
+    pub fn block_pass(&mut self, blocks: &[GpuBlock]) -> Result<(), DraftError> {
+        let d = self.d;
+        let g = d.g;
+        let n = blocks.len() * g;
+        self.last_batch = 0;
+        if blocks.is_empty() {
+            return Ok(());
+        }
+        if n > self.max_block_rows {
+            return Err(DraftError::Gpu(format!(
+                "{} blocks in one pass; the GPU DSpark drafter was built for {}",
+                blocks.len(),
+                self.opts.max_sequences
+            )));
+        }
+        let mr = self.max_rows;
+        for (i, blk) in blocks.iter().enumerate() {
+            if blk.anchor as usize >= d.vocab {
+                return Err(specula_model::ModelError::TokenOutOfRange {
+                    id: blk.anchor,
+                    vocab_size: d.vocab,
+                }
+                .into());
+            }
+            if blk.slot >= self.opts.max_sequences || blk.ctx_len > self.context_capacity() {
+                return Err(DraftError::Gpu(format!(
+                    "block of slot {} after {} context rows is outside the drafter's capacity",
+                    blk.slot, blk.ctx_len
+                )));
+            }
+            for j in 0..g {
+                let row = i * g + j;
+                let pos = blk.ctx_len + j;
+                let h = &mut self.host_inputs;
+                h[IN_IDS * mr + row] = if j == 0 { blk.anchor } else { d.mask } as i32;
+                h[IN_POSITIONS * mr + row] = int(pos)?;
+                h[IN_SLOTS * mr + row] = int(blk.slot * self.opts.max_context + pos)?;
+                h[IN_KEY_COUNTS * mr + row] = int(blk.ctx_len + g)?;
+                h[IN_SEQ_OF_ROW * mr + row] = int(blk.slot)?;
+            }
+        }
+        let s = self.device.stream.clone();
+        s.memcpy_htod(&self.host_inputs, &mut self.inputs)
+            .map_err(gpu)?;
+        let width = d.qd + 2 * d.kvd;
+        let (h_i, w_i, hd_i, nh_i, nkv_i, qd_i, eps) = (
+            int(d.h)?,
+            int(width)?,
+            int(d.hd)?,
+            int(d.nh)?,
+            int(d.nkv)?,
+            int(d.qd)?,
+            d.eps,
+        );
+        let (n_i, ffn_i, nh_all) = (int(n)?, int(d.ffn)?, int(n * d.h)?);
+        let zero = 0i32;
+        let null: u64 = 0;
+        let scale = 1.0 / (d.hd as f32).sqrt();
+        let section = |k: usize| k * mr..k * mr + n;
+        let ids = self.inputs.slice(section(IN_IDS));
+        let positions = self.inputs.slice(section(IN_POSITIONS));
+        let slots = self.inputs.slice(section(IN_SLOTS));
+        let key_counts = self.inputs.slice(section(IN_KEY_COUNTS));
+        let seq_of_row = self.inputs.slice(section(IN_SEQ_OF_ROW));
+        // SAFETY (every launch below): buffers were allocated for max_block_rows >= n rows, token ids
+        // are inside the embedding (checked above), slot rows and key counts lie inside each
+        // sequence's context slot (ctx_len + g <= max_context, checked above); arguments follow
+        // decoder.cu's signatures.
+        unsafe {
+            let mut b = s.launch_builder(&self.k.embed_rows);
+            b.arg(&self.embed).arg(&ids).arg(&mut self.x).arg(&h_i);
+            b.launch(rows_cfg(n, 128)).map_err(gpu)?;
+        }
+        for l in &mut self.layers {
+            unsafe {
+                let mut b = s.launch_builder(&self.k.rms_norm_bf16);
+                b.arg(&self.x)
+                    .arg(&null)
+                    .arg(&l.input_norm)
+                    .arg(&mut self.act16)
+                    .arg(&h_i)
+                    .arg(&eps);
+                b.launch(rows_cfg(n, 128)).map_err(gpu)?;
+            }
+            self.gemm
+                .linear(&l.wqkv, &self.act16, &mut self.qkv, width, d.h, n)
+                .map_err(gpu)?;
+            for (w, off, heads) in [(&l.q_norm, zero, d.nh), (&l.k_norm, qd_i, d.nkv)] {
+                let mut b = s.launch_builder(&self.k.head_rms_norm);
+                b.arg(&mut self.qkv)
+                    .arg(&w_i)
+                    .arg(&off)
+                    .arg(w)
+                    .arg(&hd_i)
+                    .arg(&eps);
+                unsafe { b.launch(grid_cfg(n, heads, 128)) }.map_err(gpu)?;
+            }
+            // q rotated in place; the block's k (rotated) and v stored after the context.
+            unsafe {
+                let mut b = s.launch_builder(&self.k.rope_kv_append);
+                b.arg(&mut self.qkv)
+                    .arg(&w_i)
+                    .arg(&nh_i)
+                    .arg(&nkv_i)
+                    .arg(&hd_i)
+                    .arg(&positions)
+                    .arg(&self.inv_freq)
+                    .arg(&slots)
+                    .arg(&mut l.k_ctx)
+                    .arg(&mut l.v_ctx);
+                b.launch(grid_cfg(n, d.nh + 2 * d.nkv, (d.hd / 2) as u32))
+                    .map_err(gpu)?;
+            }
+            self.kernels
+                .block_attention(BlockAttention {
+                    rows: n,
+                    qkv: &self.qkv,
+                    row_stride: width,
+                    n_heads: d.nh,
+                    n_kv_heads: d.nkv,
+                    head_dim: d.hd,
+                    key_counts: &key_counts,
+                    seq_of_row: &seq_of_row,
+                    max_ctx: self.opts.max_context,
+                    k_ctx: &l.k_ctx,
+                    v_ctx: &l.v_ctx,
+                    out: &mut self.act16,
+                    scale,
+                })
+                .map_err(gpu)?;
+            self.gemm
+                .linear_acc(&l.wo, &self.act16, &mut self.x, d.h, d.qd, n, true)
+                .map_err(gpu)?;
+            unsafe {
+                let mut b = s.launch_builder(&self.k.rms_norm_bf16);
+                b.arg(&self.x)
+                    .arg(&null)
+                    .arg(&l.post_norm)
+                    .arg(&mut self.act16)
+                    .arg(&h_i)
+                    .arg(&eps);
+                b.launch(rows_cfg(n, 128)).map_err(gpu)?;
+            }
+            self.gemm
+                .linear(
+                    &l.w_gate_up,
+                    &self.act16,
+                    &mut self.gate_up,
+                    2 * d.ffn,
+                    d.h,
+                    n,
+                )
+                .map_err(gpu)?;
+            unsafe {
+                let mut b = s.launch_builder(&self.k.swiglu_bf16);
+                b.arg(&self.gate_up)
+                    .arg(&mut self.act16)
+                    .arg(&n_i)
+                    .arg(&ffn_i);
+                b.launch(LaunchConfig::for_num_elems((n * d.ffn) as u32))
+                    .map_err(gpu)?;
+            }
+            self.gemm
+                .linear_acc(&l.w_down, &self.act16, &mut self.x, d.h, d.ffn, n, true)
+                .map_err(gpu)?;
+        }
+        // Final norm in f32 (the hidden states the confidence head reads), then as bf16 into the LM
+        // head.
+        unsafe {
+            let mut b = s.launch_builder(&self.k.rms_norm);
+            b.arg(&self.x)
+                .arg(&self.norm)
+                .arg(&mut self.hidden)
+                .arg(&h_i)
+                .arg(&eps);
+            b.launch(rows_cfg(n, 128)).map_err(gpu)?;
+        }
+        unsafe {
+            let mut b = s.launch_builder(&self.k.f32_to_bf16_rows);
+            b.arg(&self.hidden).arg(&mut self.act16).arg(&nh_all);
+            b.launch(LaunchConfig::for_num_elems((n * d.h) as u32))
+                .map_err(gpu)?;
+        }
+        self.gemm
+            .linear(&self.lm_head, &self.act16, &mut self.logits, d.vd, d.h, n)
+            .map_err(gpu)?;
+        self.last_batch = blocks.len();
+        Ok(())
+    }
+
+    /// The last block pass's hidden states and base logits on the host, per sequence (parity checks,
+    /// and the host Markov loop for confidence-truncated sampling).
+    pub fn read_block_outputs(&self) -> Result<Vec<BlockOutput>, DraftError> {
+        let (b, g, h, vd) = (self.last_batch, self.d.g, self.d.h, self.d.vd);
+        let s = &self.device.stream;
+        let hidden = s.clone_dtoh(&self.hidden.slice(..b * g * h)).map_err(gpu)?;
+        let logits = s
+            .clone_dtoh(&self.logits.slice(..b * g * vd))
+            .map_err(gpu)?;
+        Ok((0..b)
+            .map(|i| BlockOutput {
+                hidden: hidden[i * g * h..(i + 1) * g * h].to_vec(),
+                base_logits: logits[i * g * vd..(i + 1) * g * vd].to_vec(),
+            })
+            .collect())
+    }
+
+    /// The Markov-corrected logits `[batch, g, draft vocab]` of the last Markov loop (slots past a
+    /// sequence's drafted count hold stale values).
+    pub fn read_corrected_logits(&self) -> Result<Vec<f32>, DraftError> {
+        let n = self.last_batch * self.d.g * self.d.vd;
+        self.device
+            .stream
+            .clone_dtoh(&self.corrected.slice(..n))
+            .map_err(gpu)
+    }
+
+    /// Runs the fused Markov loop over the last block pass's outputs, one parameter set per block in
+    /// the pass's order; `uniforms` is `[batch, g]` (slot j of sequence b at b * g + j; read only for
+    /// sampled sequences). Returns each sequence's result, or why the device refused it.
+    pub fn markov_loop(
+        &mut self,
+        params: &[MarkovSeqParams],
+        uniforms: &[f64],
+    ) -> Result<Vec<Result<MarkovResult, MarkovFailure>>, DraftError> {
+        let (b, g, vd) = (self.last_batch, self.d.g, self.d.vd);
+        if params.len() != b || uniforms.len() != b * g {
+            return Err(DraftError::Gpu(format!(
+                "Markov loop for {} sequences with {} uniforms after a block pass of {b}",
+                params.len(),
+                uniforms.len()
+            )));
+        }
+        if b == 0 {
+            return Ok(Vec::new());
+        }
+        for p in params {
+            if p.slots > g || p.anchor as usize >= self.d.vocab {
+                return Err(DraftError::Gpu(format!(
+                    "Markov loop of {} slots from anchor {} (block {g}, vocabulary {})",
+                    p.slots, p.anchor, self.d.vocab
+                )));
+            }
+            let n = if self.draft_to_target.is_some() {
+                vd
+            } else {
+                p.limit
+            };
+            if n == 0 || n > vd {
+                return Err(DraftError::Gpu(format!(
+                    "Markov loop row of {n} entries over a draft vocabulary of {vd}"
+                )));
+            }
+        }
+        let (ints, floats) = pack_markov_params(params)?;
+        let s = self.device.stream.clone();
+        s.memcpy_htod(&ints, &mut self.seq_i.slice_mut(..ints.len()))
+            .map_err(gpu)?;
+        s.memcpy_htod(&floats, &mut self.seq_f.slice_mut(..floats.len()))
+            .map_err(gpu)?;
+        s.memcpy_htod(uniforms, &mut self.uniforms.slice_mut(..uniforms.len()))
+            .map_err(gpu)?;
+        self.kernels
+            .markov_loop(MarkovLoop {
+                batch: b,
+                g,
+                vd,
+                vocab: self.d.vocab,
+                hidden_dim: self.d.h,
+                rank: self.d.rank,
+                base_logits: &self.logits,
+                hidden: &self.hidden,
+                w1: &self.w1,
+                w1_row_of_token: self.w1_row_of_token.as_ref(),
+                w2: &self.w2,
+                confidence: self.confidence.as_ref().map(|(w, b)| (w, *b)),
+                draft_to_target: self.draft_to_target.as_ref(),
+                seq_i: &self.seq_i,
+                seq_f: &self.seq_f,
+                uniforms: &self.uniforms,
+                corrected: &mut self.corrected,
+                masked: &mut self.masked,
+                probs: &mut self.probs,
+                conf_out: &mut self.conf,
+                tokens: &mut self.tokens,
+                status: &mut self.status,
+            })
+            .map_err(gpu)?;
+        let rows = b * g;
+        let status = s
+            .clone_dtoh(&self.status.slice(..b * STATUS_INTS))
+            .map_err(gpu)?;
+        let tokens = s.clone_dtoh(&self.tokens.slice(..rows)).map_err(gpu)?;
+        let conf = s.clone_dtoh(&self.conf.slice(..rows)).map_err(gpu)?;
+        // Greedy rows are one-hot at the drafted token (the kernel writes exactly that): built here
+        // instead of copied, so greedy proposals move no vocabulary-sized rows.
+        let any_sampled = params.iter().any(|p| !p.sampling.is_greedy());
+        let probs = if any_sampled {
+            s.clone_dtoh(&self.probs.slice(..rows * vd)).map_err(gpu)?
+        } else {
+            Vec::new()
+        };
+        let has_conf = self.confidence.is_some();
+        let map = self.host_draft_to_target.as_deref();
+        let mut out = Vec::with_capacity(b);
+        for (i, p) in params.iter().enumerate() {
+            let drafted = match decode_markov_status(&status[i * STATUS_INTS..]) {
+                Ok(n) if n <= p.slots => n,
+                Ok(n) => {
+                    out.push(Err(MarkovFailure::Unknown {
+                        code: 0,
+                        detail: n as i32,
+                    }));
+                    continue;
+                }
+                Err(e) => {
+                    out.push(Err(e));
+                    continue;
+                }
+            };
+            // Length of q as the CPU drafter builds it: min(vocab_limit, vocab) target ids (`limit`
+            // is already that without a pruned vocabulary).
+            let q_len = p.limit.min(self.d.vocab);
+            let mut r = MarkovResult::default();
+            for j in 0..drafted {
+                let row = i * g + j;
+                let t = tokens[row];
+                if t < 0 || t as usize >= q_len {
+                    return Err(DraftError::Gpu(format!(
+                        "the Markov loop drafted token {t}, outside the request's {q_len} ids"
+                    )));
+                }
+                r.tokens.push(t as u32);
+                if has_conf {
+                    r.confidence_logits.push(conf[row]);
+                }
+                let mut q = vec![0f32; q_len];
+                if p.sampling.is_greedy() {
+                    q[t as usize] = 1.0;
+                } else {
+                    let src = &probs[row * vd..(row + 1) * vd];
+                    match map {
+                        None => q.copy_from_slice(&src[..q_len]),
+                        Some(map) => {
+                            // Draft ids outside the request's vocabulary hold 0 and map past q_len.
+                            for (&tid, &v) in map.iter().zip(src) {
+                                if (tid as usize) < q_len {
+                                    q[tid as usize] = v;
+                                }
+                            }
+                        }
+                    }
+                }
+                r.probs.push(q);
+            }
+            out.push(Ok(r));
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,276 @@
+// DSpark drafter kernels (issue 8). This file is compiled together with sampling.cu (appended to it, see
+// kernels/src/cuda/mod.rs), so the Markov loop processes every slot's logits with sampling.cu's
+// row_logits_to_probs (the CPU semantics of kernels/src/sampling.rs) and draws with its block_sample
+// (the conventions of sampling::sample_from). Names defined here start with dsp_/DSP_/dspark_ so they
+// cannot collide with sampling.cu's.
+//
+// The rest of the DSpark block pass (embedding, RMSNorm, q/k norms, RoPE with the K/V store, SwiGLU) uses
+// decoder.cu's kernels unchanged, and its linear layers use cuda::Gemm.
+
+#define DSP_ATTN_THREADS 256
+#define DSP_MAX_GROUP 8
+
+__device__ __forceinline__ float dsp_bf16_to_f32(unsigned short h) {
+    return __uint_as_float(((unsigned int)h) << 16);
+}
+
+// Round to nearest even, as half::bf16::from_f32 and decoder.cu's f32_to_bf16 (NaN kept quiet).
+__device__ __forceinline__ unsigned short dsp_f32_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        return (unsigned short)((u >> 16) | 0x40u);
+    }
+    unsigned int rounding = 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)((u + rounding) >> 16);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Non-causal attention of the block rows. Each sequence owns a contiguous slot of the context K/V
+// buffers: position j of sequence slot s is row s * max_ctx + j ([kv_dim] floats, k_norm and RoPE
+// applied). The block's own keys/values are stored right after the context (rows ctx_len ..
+// ctx_len + g, by rope_kv_append just before this launch; they are overwritten by the next context
+// append, which is how the block's K/V are never cached). Every row of a block attends to all
+// key_counts[row] = ctx_len + g keys: no causal mask, as DSpark's block pass requires. The causal
+// kernels in decoder.cu are untouched.
+//
+// One CTA of 256 threads per (row, kv head) serves the G = n_heads / n_kv_heads query heads of that
+// KV head, in three phases like decoder.cu's attention_gqa: thread j scores key j for all G heads; one
+// warp per head takes the softmax; thread (c = t % head_dim, part = t / head_dim) sums p * v over every
+// (256 / head_dim)-th key and the parts are added in shared memory in a fixed order. Scalar loads, so
+// any head_dim up to 256 works (the DeepSpec fixture has head_dim 16).
+// Dynamic shared memory: (G * head_dim + G * max_ctx + 256 * G + G) floats, fixed by max_ctx.
+// Requires G <= 8 and 1 <= key_counts[row] <= max_ctx (checked on the host). Grid: (rows, n_kv_heads).
+extern "C" __global__ void __launch_bounds__(DSP_ATTN_THREADS)
+dspark_block_attention(const float* qkv, int row_stride, int n_heads, int n_kv_heads, int head_dim,
+                       const int* key_counts, const int* seq_of_row, int max_ctx, const float* k_ctx,
+                       const float* v_ctx, unsigned short* out, float scale) {
+    extern __shared__ __align__(16) float dsp_smem[];
+    const int G = n_heads / n_kv_heads;
+    float* q_s = dsp_smem;                      // [G][head_dim], pre-scaled
+    float* p_s = q_s + G * head_dim;            // [G][max_ctx] scores, then probabilities
+    float* part_s = p_s + G * max_ctx;          // [256 / head_dim][G][head_dim]
+    float* inv_s = part_s + DSP_ATTN_THREADS * G;  // [G]
+    const int row = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x;
+    const int kv_dim = n_kv_heads * head_dim;
+    const float* q = qkv + (size_t)row * row_stride + (size_t)kvh * G * head_dim;
+    for (int i = tid; i < G * head_dim; i += DSP_ATTN_THREADS) q_s[i] = q[i] * scale;
+    __syncthreads();
+    const int n_keys = key_counts[row];
+    const size_t base = (size_t)seq_of_row[row] * max_ctx;
+    for (int j = tid; j < n_keys; j += DSP_ATTN_THREADS) {
+        const float* k = k_ctx + (base + j) * kv_dim + kvh * head_dim;
+        float d[DSP_MAX_GROUP];
+#pragma unroll
+        for (int g = 0; g < DSP_MAX_GROUP; ++g) d[g] = 0.0f;
+        for (int c = 0; c < head_dim; ++c) {
+            float kk = k[c];
+#pragma unroll
+            for (int g = 0; g < DSP_MAX_GROUP; ++g)
+                if (g < G) d[g] += q_s[g * head_dim + c] * kk;
+        }
+#pragma unroll
+        for (int g = 0; g < DSP_MAX_GROUP; ++g)
+            if (g < G) p_s[g * max_ctx + j] = d[g];
+    }
+    __syncthreads();
+    const int warp = tid >> 5, lane = tid & 31;
+    for (int g = warp; g < G; g += DSP_ATTN_THREADS / 32) {
+        float* p = p_s + g * max_ctx;
+        float m = SPL_F32_NEG_INF;
+        for (int j = lane; j < n_keys; j += 32) m = fmaxf(m, p[j]);
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(SPL_FULL, m, o));
+        float sum = 0.0f;
+        for (int j = lane; j < n_keys; j += 32) {
+            float e = expf(p[j] - m);
+            p[j] = e;
+            sum += e;
+        }
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(SPL_FULL, sum, o);
+        if (lane == 0) inv_s[g] = 1.0f / sum;
+    }
+    __syncthreads();
+    const int parts = DSP_ATTN_THREADS / head_dim;
+    const int c = tid % head_dim, part = tid / head_dim;
+    if (part < parts) {
+        float acc[DSP_MAX_GROUP];
+#pragma unroll
+        for (int g = 0; g < DSP_MAX_GROUP; ++g) acc[g] = 0.0f;
+        const float* vbase = v_ctx + base * kv_dim + kvh * head_dim + c;
+        for (int j = part; j < n_keys; j += parts) {
+            float v = vbase[(size_t)j * kv_dim];
+#pragma unroll
+            for (int g = 0; g < DSP_MAX_GROUP; ++g)
+                if (g < G) acc[g] += p_s[g * max_ctx + j] * v;
+        }
+#pragma unroll
+        for (int g = 0; g < DSP_MAX_GROUP; ++g)
+            if (g < G) part_s[(part * G + g) * head_dim + c] = acc[g];
+    }
+    __syncthreads();
+    for (int i = tid; i < G * head_dim; i += DSP_ATTN_THREADS) {
+        int g = i / head_dim, cc = i % head_dim;
+        float s = 0.0f;
+        for (int pp = 0; pp < parts; ++pp) s += part_s[(pp * G + g) * head_dim + cc];
+        out[(size_t)row * n_heads * head_dim + (size_t)(kvh * G + g) * head_dim + cc] = dsp_f32_to_bf16(s * inv_s[g]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The fused Markov loop: all slots of every sequence's block in one launch, one CTA of
+// SPL_PROBS_THREADS threads per sequence (the slots depend on each other through the previous token,
+// so a sequence's loop is sequential; sequences run side by side). For slot j of sequence b (row
+// r = b * g + j of the block-pass outputs), with prev = the anchor for j = 0 and the token drafted at
+// slot j - 1 after that — the CPU drafter's loop (drafters/src/dspark/mod.rs), step for step:
+//   e = W1[row of prev]                 (zero when a pruned W1 has no row for prev)
+//   confidence logit = w . [h_j; e] + b (when the checkpoint has a confidence head); with a threshold
+//                      (>= 0) the loop stops before slot j when sigmoid(logit) < threshold
+//   corrected_j = base_j + W2 e         (the full corrected logits, written out)
+//   q_j = row_logits_to_probs(corrected_j restricted to the request's vocabulary) (written out)
+//   token = argmax (temperature 0) or block_sample(q_j, uniforms[r])
+// The uniforms come from the request's stream on the host, one per slot in slot order, exactly as the
+// CPU drafter draws them, so both drafters pick the same tokens from the same distributions.
+//
+// Vocabulary restriction, as the CPU does it: without a pruned vocabulary (draft_to_target == null) the
+// row is the first `limit` = min(vocab_limit, vocab) corrected logits. With one, draft id x is kept when
+// draft_to_target[x] < limit (= the request's vocab_limit); the row is all vd draft ids with the others
+// at -inf. That gives the CPU's distribution over its compacted list of kept ids exactly (masked entries
+// get probability 0 and keep their index order, so argmax, top-k/top-p and inverse-CDF draws select the
+// same kept ids), except when every kept logit is -inf: the CPU's argmax over the kept list is then its
+// first entry, which the greedy path below reproduces. Tokens are written as target ids.
+//
+// Per-sequence inputs: seq_i [B, DSP_SEQ_INTS] = anchor, slots to draft, top_k, limit;
+// seq_f [B, DSP_SEQ_FLOATS] = temperature, top_p, confidence threshold (< 0: none).
+// Outputs per row r: corrected [r, vd], probs [r, vd] (only the first `n` entries of a row are written,
+// n = vd with a pruned vocabulary, else limit), conf_out[r], tokens[r]; masked [r, vd] is scratch.
+// status [B, DSP_STATUS_INTS] = code (SPL_OK or an SPL_/DSP_ code), detail, failing slot, slots drafted.
+// Dynamic shared memory: rank floats.
+#define DSP_SEQ_INTS 4
+#define DSP_SEQ_FLOATS 3
+#define DSP_STATUS_INTS 4
+#define DSP_BAD_TOKEN 20
+#define DSP_NOTHING_ALLOWED 21
+
+extern "C" __global__ void __launch_bounds__(SPL_PROBS_THREADS)
+dspark_markov_loop(const float* base_logits, const float* hidden, int g, int vd, int vocab, int hidden_dim,
+                   int rank, const unsigned short* w1, const int* w1_row_of_token, const unsigned short* w2,
+                   const float* conf_w, int conf_width, float conf_b, const int* draft_to_target,
+                   const int* seq_i, const float* seq_f, const double* uniforms, float* corrected,
+                   float* masked, float* probs, float* conf_out, int* tokens, int* status) {
+    __shared__ Scratch sc;
+    __shared__ u32 hist[256];
+    __shared__ double bins[16 * SPL_PROBS_THREADS + 256];
+    __shared__ int row_status[2];
+    __shared__ double row_inv_sum;
+    extern __shared__ float dsp_e[];  // [rank]
+    const int b = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
+    const int anchor = seq_i[b * DSP_SEQ_INTS + 0];
+    const int n_slots = seq_i[b * DSP_SEQ_INTS + 1];
+    const u32 top_k = (u32)seq_i[b * DSP_SEQ_INTS + 2];
+    const int limit = seq_i[b * DSP_SEQ_INTS + 3];
+    const float temperature = seq_f[b * DSP_SEQ_FLOATS + 0];
+    const float top_p = seq_f[b * DSP_SEQ_FLOATS + 1];
+    const float threshold = seq_f[b * DSP_SEQ_FLOATS + 2];
+    const int n = draft_to_target ? vd : limit;
+    // W2 rows are 16-byte aligned when rank % 8 == 0: then each thread reads its rows 8 entries per load.
+    const bool vec_w2 = (rank & 7) == 0;
+
+    int code = SPL_OK, detail = 0, fail_slot = 0, drafted = 0;
+    int first_allowed = 0;
+    if (draft_to_target) {
+        int first = SPL_INT_MAX;
+        for (int x = tid; x < vd; x += nt)
+            if (draft_to_target[x] < limit) first = min(first, x);
+        first_allowed = block_min_i(first, sc);
+        if (first_allowed == SPL_INT_MAX) code = DSP_NOTHING_ALLOWED;
+    }
+    int prev = anchor;
+    // Every branch below depends only on block-uniform values (prev, code, the block reductions), so
+    // all threads take the same path through the barriers.
+    for (int j = 0; j < n_slots && code == SPL_OK; ++j) {
+        const size_t r = (size_t)b * g + j;
+        if (prev < 0 || prev >= vocab) {
+            code = DSP_BAD_TOKEN;
+            detail = prev;
+            fail_slot = j;
+            break;
+        }
+        const int w1_row = w1_row_of_token ? w1_row_of_token[prev] : prev;
+        for (int c = tid; c < rank; c += nt)
+            dsp_e[c] = w1_row >= 0 ? dsp_bf16_to_f32(w1[(size_t)w1_row * rank + c]) : 0.0f;
+        __syncthreads();
+        if (conf_w) {
+            const float* hrow = hidden + r * hidden_dim;
+            float acc = 0.0f;
+            for (int c = tid; c < hidden_dim; c += nt) acc += conf_w[c] * hrow[c];
+            if (conf_width > hidden_dim)
+                for (int c = tid; c < rank; c += nt) acc += conf_w[hidden_dim + c] * dsp_e[c];
+            const float cl = (float)block_sum_d((double)acc, sc) + conf_b;
+            if (tid == 0) conf_out[r] = cl;
+            if (threshold >= 0.0f && 1.0f / (1.0f + expf(-cl)) < threshold) break;
+        }
+        const float* brow = base_logits + r * vd;
+        float* crow = corrected + r * vd;
+        float* mrow = masked + r * vd;
+        for (int x = tid; x < vd; x += nt) {
+            const unsigned short* w = w2 + (size_t)x * rank;
+            float acc = 0.0f;
+            if (vec_w2) {
+                for (int c = 0; c < rank; c += 8) {
+                    uint4 v = *(const uint4*)(w + c);
+                    unsigned int words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        acc += dsp_bf16_to_f32((unsigned short)(words[q] & 0xffffu)) * dsp_e[c + 2 * q];
+                        acc += dsp_bf16_to_f32((unsigned short)(words[q] >> 16)) * dsp_e[c + 2 * q + 1];
+                    }
+                }
+            } else {
+                for (int c = 0; c < rank; ++c) acc += dsp_bf16_to_f32(w[c]) * dsp_e[c];
+            }
+            const float v = brow[x] + acc;
+            crow[x] = v;
+            if (draft_to_target) mrow[x] = draft_to_target[x] < limit ? v : SPL_F32_NEG_INF;
+        }
+        __syncthreads();
+        float* prow = probs + r * vd;
+        const int best = row_logits_to_probs(draft_to_target ? mrow : crow, prow, n, n, temperature, top_k, top_p,
+                                             &row_inv_sum, row_status, sc, hist, bins);
+        __syncthreads();
+        if (row_status[0] != SPL_OK || best < 0) {
+            code = row_status[0] != SPL_OK ? row_status[0] : SPL_ALL_MASKED;
+            detail = row_status[1];
+            fail_slot = j;
+            break;
+        }
+        int x;
+        if (temperature == 0.0f) {
+            x = best;
+            if (draft_to_target && draft_to_target[x] >= limit) {
+                // Every kept logit is -inf: the CPU's argmax over its kept list gives the first kept id.
+                __syncthreads();
+                for (int y = tid; y < n; y += nt) prow[y] = y == first_allowed ? 1.0f : 0.0f;
+                x = first_allowed;
+            }
+        } else {
+            x = block_sample(RowWeight{prow}, n, uniforms[r], sc, nullptr);
+            if (x < 0) {
+                code = SPL_ALL_MASKED;
+                fail_slot = j;
+                break;
+            }
+        }
+        const int token = draft_to_target ? draft_to_target[x] : x;
+        if (tid == 0) tokens[r] = token;
+        prev = token;
+        drafted = j + 1;
+        // dsp_e, hist and bins are rewritten by the next slot.
+        __syncthreads();
+    }
+    if (tid == 0) {
+        int* st = status + (size_t)b * DSP_STATUS_INTS;
+        st[0] = code;
+        st[1] = detail;
+        st[2] = fail_slot;
+        st[3] = drafted;
+    }
+}

@@ -1,0 +1,449 @@
+//! Host side of `kernels/cuda/dspark.cu`: the DSpark drafter's non-causal block attention and its fused
+//! Markov loop (one launch for every slot of every sequence). The drafter crate runs the rest of the
+//! block pass with `decoder.cu`'s kernels and [`super::Gemm`].
+//!
+//! `dspark.cu` is compiled appended to `sampling.cu` (see [`super::KERNEL_SOURCES`]) so that the loop
+//! turns each slot's logits into the draft distribution with the very device code of
+//! `logits_to_probs`, which `gpu_sampling_check` holds to the CPU semantics of
+//! [`crate::sampling::probabilities`].
+
+use super::{compile_source, CudaError, GpuDevice};
+use crate::sampling::SamplingParams;
+use cudarc::driver::{
+    sys, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, LaunchConfig, PushKernelArg,
+};
+use std::sync::Arc;
+
+/// The kernels `dspark.cu` must export (checked at load, and for every architecture by the compile test).
+pub const DSPARK_KERNELS: &[&str] = &["dspark_block_attention", "dspark_markov_loop"];
+
+/// Ints per sequence of the Markov loop's integer parameters: anchor, slots, top_k, limit.
+pub const SEQ_INTS: usize = 4;
+/// Floats per sequence: temperature, top_p, confidence threshold (< 0: none).
+pub const SEQ_FLOATS: usize = 3;
+/// Ints per sequence of the loop's status record: code, detail, failing slot, slots drafted.
+pub const STATUS_INTS: usize = 4;
+/// Threads per CTA of the attention kernel (`DSP_ATTN_THREADS`).
+const ATTN_THREADS: u32 = 256;
+/// Threads per CTA of the Markov loop: `row_logits_to_probs` is written for exactly this many.
+const MARKOV_THREADS: u32 = 256;
+/// Most query heads per KV head the attention kernel serves (`DSP_MAX_GROUP`).
+pub const MAX_GROUP: usize = 8;
+/// Largest head_dim of the attention kernel (one thread per dimension in its last phase).
+pub const MAX_HEAD_DIM: usize = 256;
+/// Largest Markov rank: the loop keeps `W1[prev]` in shared memory beside `logits_to_probs`'s ~36 KB,
+/// under the 48 KB a launch gets without opting in.
+pub const MAX_RANK: usize = 2048;
+
+// Status codes (sampling.cu's SPL_* for the probability step, dspark.cu's DSP_* for the loop).
+const SPL_OK: i32 = 0;
+const SPL_NON_FINITE_LOGIT: i32 = 1;
+const SPL_ALL_MASKED: i32 = 2;
+const SPL_BAD_BLOCK: i32 = 3;
+const DSP_BAD_TOKEN: i32 = 20;
+const DSP_NOTHING_ALLOWED: i32 = 21;
+
+/// Why the Markov loop stopped a sequence early (the CPU drafter's errors that depend on device data).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MarkovFailure {
+    #[error("slot {slot}: logit {index} is NaN or +inf: the model produced a non-finite value")]
+    NonFiniteLogit { slot: usize, index: usize },
+    #[error("slot {slot}: every logit is -inf: nothing can be drafted")]
+    AllMasked { slot: usize },
+    #[error("the Markov loop ran with {0} threads per sequence (needs {MARKOV_THREADS})")]
+    BadBlock(i32),
+    #[error("slot {slot}: previous token {token} is outside the vocabulary")]
+    BadToken { slot: usize, token: i32 },
+    #[error("no token of the pruned draft vocabulary is below the vocabulary limit")]
+    NothingAllowed,
+    #[error("unknown status {code} (detail {detail}): kernel and host disagree on the codes")]
+    Unknown { code: i32, detail: i32 },
+}
+
+/// Decodes one sequence's status record: the number of slots drafted, or why it failed.
+pub fn decode_markov_status(rec: &[i32]) -> Result<usize, MarkovFailure> {
+    let (code, detail, slot, drafted) = match rec {
+        [a, b, c, d, ..] => (*a, *b, (*c).max(0) as usize, *d),
+        _ => {
+            return Err(MarkovFailure::Unknown {
+                code: -1,
+                detail: -1,
+            })
+        }
+    };
+    match code {
+        SPL_OK if drafted >= 0 => Ok(drafted as usize),
+        SPL_NON_FINITE_LOGIT => Err(MarkovFailure::NonFiniteLogit {
+            slot,
+            index: detail.max(0) as usize,
+        }),
+        SPL_ALL_MASKED => Err(MarkovFailure::AllMasked { slot }),
+        SPL_BAD_BLOCK => Err(MarkovFailure::BadBlock(detail)),
+        DSP_BAD_TOKEN => Err(MarkovFailure::BadToken {
+            slot,
+            token: detail,
+        }),
+        DSP_NOTHING_ALLOWED => Err(MarkovFailure::NothingAllowed),
+        _ => Err(MarkovFailure::Unknown { code, detail }),
+    }
+}
+
+/// One sequence's Markov-loop parameters, packed by [`pack_markov_params`].
+#[derive(Debug, Clone, Copy)]
+pub struct MarkovSeqParams {
+    /// The block's anchor (the previous token of slot 0), a target id.
+    pub anchor: u32,
+    /// Slots to draft (<= the block size).
+    pub slots: usize,
+    pub sampling: SamplingParams,
+    /// Without a pruned vocabulary: the row length min(vocab_limit, vocab). With one: vocab_limit
+    /// (draft ids whose target id is below it are kept).
+    pub limit: usize,
+    /// Stop before the first slot whose sigmoid(confidence logit) is below this.
+    pub confidence_threshold: Option<f32>,
+}
+
+/// Packs per-sequence parameters into the loop's `seq_i` and `seq_f` layouts, validating the sampling
+/// settings as the CPU does.
+pub fn pack_markov_params(
+    seqs: &[MarkovSeqParams],
+) -> Result<(Vec<i32>, Vec<f32>), crate::sampling::SamplingError> {
+    let mut ints = Vec::with_capacity(seqs.len() * SEQ_INTS);
+    let mut floats = Vec::with_capacity(seqs.len() * SEQ_FLOATS);
+    for s in seqs {
+        s.sampling.validate()?;
+        let clamp = |v: usize| v.min(i32::MAX as usize) as i32;
+        ints.extend_from_slice(&[
+            s.anchor.min(i32::MAX as u32) as i32,
+            clamp(s.slots),
+            clamp(s.sampling.top_k),
+            clamp(s.limit),
+        ]);
+        floats.extend_from_slice(&[
+            s.sampling.temperature,
+            s.sampling.top_p,
+            s.confidence_threshold.unwrap_or(-1.0),
+        ]);
+    }
+    Ok((ints, floats))
+}
+
+/// Arguments of [`DSparkKernels::block_attention`]: `rows` block rows whose q (RoPE applied) are the
+/// first `n_heads * head_dim` columns of `qkv` rows of `row_stride` floats; row i of the block attends
+/// to keys `0..key_counts[i]` of sequence slot `seq_of_row[i]` in `k_ctx`/`v_ctx`
+/// (`[slots * max_ctx, kv_dim]`). Writes `[rows, n_heads * head_dim]` bf16 into `out`.
+pub struct BlockAttention<'a> {
+    pub rows: usize,
+    pub qkv: &'a CudaSlice<f32>,
+    pub row_stride: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub key_counts: &'a CudaView<'a, i32>,
+    pub seq_of_row: &'a CudaView<'a, i32>,
+    pub max_ctx: usize,
+    pub k_ctx: &'a CudaSlice<f32>,
+    pub v_ctx: &'a CudaSlice<f32>,
+    pub out: &'a mut CudaSlice<u16>,
+    pub scale: f32,
+}
+
+/// Arguments of [`DSparkKernels::markov_loop`] for `batch` sequences of `g`-slot blocks (row
+/// r = b * g + j). Optional tensors are `None` when the checkpoint lacks them.
+pub struct MarkovLoop<'a> {
+    pub batch: usize,
+    pub g: usize,
+    /// Draft vocabulary (columns of the logits rows).
+    pub vd: usize,
+    /// Target vocabulary (ids `prev` may take).
+    pub vocab: usize,
+    pub hidden_dim: usize,
+    pub rank: usize,
+    /// `[rows, vd]` base logits and `[rows, hidden_dim]` final hidden states of the block pass.
+    pub base_logits: &'a CudaSlice<f32>,
+    pub hidden: &'a CudaSlice<f32>,
+    /// `[w1 rows, rank]` bf16; `w1_row_of_token` (`[vocab]`, -1 = none) when W1 is indexed by draft ids.
+    pub w1: &'a CudaSlice<u16>,
+    pub w1_row_of_token: Option<&'a CudaSlice<i32>>,
+    /// `[vd, rank]` bf16.
+    pub w2: &'a CudaSlice<u16>,
+    /// `[hidden_dim (+ rank)]` and bias.
+    pub confidence: Option<(&'a CudaSlice<f32>, f32)>,
+    /// `[vd]` target id of each draft id, for a pruned draft vocabulary.
+    pub draft_to_target: Option<&'a CudaSlice<i32>>,
+    /// From [`pack_markov_params`]: `[batch, SEQ_INTS]`, `[batch, SEQ_FLOATS]`.
+    pub seq_i: &'a CudaSlice<i32>,
+    pub seq_f: &'a CudaSlice<f32>,
+    /// `[rows]` uniforms (read only for sampled sequences).
+    pub uniforms: &'a CudaSlice<f64>,
+    pub corrected: &'a mut CudaSlice<f32>,
+    /// `[rows, vd]` scratch (written only with a pruned vocabulary).
+    pub masked: &'a mut CudaSlice<f32>,
+    pub probs: &'a mut CudaSlice<f32>,
+    pub conf_out: &'a mut CudaSlice<f32>,
+    pub tokens: &'a mut CudaSlice<i32>,
+    /// `[batch, STATUS_INTS]`.
+    pub status: &'a mut CudaSlice<i32>,
+}
+
+fn shape(msg: String) -> CudaError {
+    CudaError::Shape(msg)
+}
+
+fn need(what: &str, len: usize, n: usize) -> Result<(), CudaError> {
+    if len < n {
+        return Err(shape(format!(
+            "DSpark {what}: buffer of {len} elements, need {n}"
+        )));
+    }
+    Ok(())
+}
+
+fn int(what: &str, v: usize) -> Result<i32, CudaError> {
+    i32::try_from(v).map_err(|_| shape(format!("DSpark {what} = {v} does not fit an int")))
+}
+
+/// The DSpark kernels compiled for one device, launching on its stream.
+pub struct DSparkKernels {
+    stream: Arc<CudaStream>,
+    _module: Arc<CudaModule>,
+    attention: CudaFunction,
+    markov: CudaFunction,
+    /// Opt-in shared-memory limit of the device (bytes per block).
+    smem_limit: usize,
+    /// Dynamic shared memory the attention kernel is currently allowed.
+    attention_smem: usize,
+}
+
+impl DSparkKernels {
+    /// Compiles `dspark.cu` (with `sampling.cu`) for the device and loads its kernels.
+    pub fn new(device: &GpuDevice) -> Result<DSparkKernels, CudaError> {
+        let module = device
+            .ctx
+            .load_module(compile_source("dspark.cu", &device.arch)?)?;
+        for k in DSPARK_KERNELS {
+            module.load_function(k)?;
+        }
+        let smem_limit = device.ctx.attribute(
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+        )? as usize;
+        Ok(DSparkKernels {
+            stream: device.stream.clone(),
+            attention: module.load_function("dspark_block_attention")?,
+            markov: module.load_function("dspark_markov_loop")?,
+            _module: module,
+            smem_limit,
+            attention_smem: 0,
+        })
+    }
+
+    /// Dynamic shared memory of the attention kernel for this shape (see dspark.cu).
+    pub fn attention_smem_bytes(group: usize, head_dim: usize, max_ctx: usize) -> usize {
+        4 * (group * head_dim + group * max_ctx + ATTN_THREADS as usize * group + group)
+    }
+
+    /// Checks that the attention kernel can serve this shape and raises its shared-memory limit to
+    /// what `max_ctx` needs (once, before any launch).
+    pub fn prepare_attention(
+        &mut self,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        max_ctx: usize,
+    ) -> Result<(), CudaError> {
+        if n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) {
+            return Err(shape(format!(
+                "DSpark attention: {n_heads} query heads are not a multiple of {n_kv_heads} KV heads"
+            )));
+        }
+        let group = n_heads / n_kv_heads;
+        if group > MAX_GROUP || head_dim == 0 || head_dim > MAX_HEAD_DIM || max_ctx == 0 {
+            return Err(shape(format!(
+                "the GPU DSpark attention serves at most {MAX_GROUP} query heads per KV head and \
+                 head_dim 1..={MAX_HEAD_DIM}, got {group} and {head_dim}; use the CPU drafter"
+            )));
+        }
+        let smem = Self::attention_smem_bytes(group, head_dim, max_ctx);
+        if smem > self.smem_limit {
+            return Err(shape(format!(
+                "GPU DSpark attention over {max_ctx} positions needs {smem} bytes of shared memory, \
+                 over the device's {}: lower the context capacity",
+                self.smem_limit
+            )));
+        }
+        self.attention.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )?;
+        self.attention_smem = smem;
+        Ok(())
+    }
+
+    /// Non-causal attention of block rows over their sequences' context and block keys/values.
+    /// `key_counts` must lie in `1..=max_ctx` (the caller builds them from its own bookkeeping).
+    pub fn block_attention(&self, a: BlockAttention<'_>) -> Result<(), CudaError> {
+        if a.rows == 0 {
+            return Ok(());
+        }
+        let group = a.n_heads / a.n_kv_heads.max(1);
+        let smem = Self::attention_smem_bytes(group, a.head_dim, a.max_ctx);
+        if smem > self.attention_smem || a.n_heads != group * a.n_kv_heads {
+            return Err(shape(format!(
+                "DSpark attention launched for {} heads / {} KV heads / head_dim {} / {} positions \
+                 without prepare_attention for that shape",
+                a.n_heads, a.n_kv_heads, a.head_dim, a.max_ctx
+            )));
+        }
+        let q_width = a.n_heads * a.head_dim;
+        let kv_dim = a.n_kv_heads * a.head_dim;
+        if a.row_stride < q_width {
+            return Err(shape(format!(
+                "DSpark attention: rows of {} floats cannot hold {q_width} query columns",
+                a.row_stride
+            )));
+        }
+        need("qkv", a.qkv.len(), a.rows * a.row_stride)?;
+        need("key counts", a.key_counts.len(), a.rows)?;
+        need("row sequences", a.seq_of_row.len(), a.rows)?;
+        need("attention output", a.out.len(), a.rows * q_width)?;
+        if a.k_ctx.len() != a.v_ctx.len() || !a.k_ctx.len().is_multiple_of(a.max_ctx * kv_dim) {
+            return Err(shape(format!(
+                "DSpark context buffers of {} and {} floats are not slots of {} x {kv_dim}",
+                a.k_ctx.len(),
+                a.v_ctx.len(),
+                a.max_ctx
+            )));
+        }
+        let (stride, nh, nkv, hd, mc) = (
+            int("row stride", a.row_stride)?,
+            int("heads", a.n_heads)?,
+            int("kv heads", a.n_kv_heads)?,
+            int("head_dim", a.head_dim)?,
+            int("context capacity", a.max_ctx)?,
+        );
+        let mut b = self.stream.launch_builder(&self.attention);
+        b.arg(a.qkv)
+            .arg(&stride)
+            .arg(&nh)
+            .arg(&nkv)
+            .arg(&hd)
+            .arg(a.key_counts)
+            .arg(a.seq_of_row)
+            .arg(&mc)
+            .arg(a.k_ctx)
+            .arg(a.v_ctx)
+            .arg(a.out)
+            .arg(&a.scale);
+        let cfg = LaunchConfig {
+            grid_dim: (a.rows as u32, a.n_kv_heads as u32, 1),
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        // SAFETY: buffer sizes checked above; the caller guarantees key_counts in 1..=max_ctx and
+        // sequence slots inside the context buffers; arguments in dspark_block_attention's order and
+        // types.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// The fused Markov loop over every slot of every sequence (one launch).
+    pub fn markov_loop(&self, a: MarkovLoop<'_>) -> Result<(), CudaError> {
+        if a.batch == 0 {
+            return Ok(());
+        }
+        if a.rank == 0 || a.rank > MAX_RANK {
+            return Err(shape(format!(
+                "the GPU Markov loop serves ranks 1..={MAX_RANK}, got {}",
+                a.rank
+            )));
+        }
+        let rows = a.batch * a.g;
+        need("base logits", a.base_logits.len(), rows * a.vd)?;
+        need("hidden", a.hidden.len(), rows * a.hidden_dim)?;
+        need("W2", a.w2.len(), a.vd * a.rank)?;
+        need("W1", a.w1.len(), a.rank)?;
+        need("parameters", a.seq_i.len(), a.batch * SEQ_INTS)?;
+        need("parameters", a.seq_f.len(), a.batch * SEQ_FLOATS)?;
+        need("uniforms", a.uniforms.len(), rows)?;
+        need("corrected logits", a.corrected.len(), rows * a.vd)?;
+        need("probabilities", a.probs.len(), rows * a.vd)?;
+        need("confidence logits", a.conf_out.len(), rows)?;
+        need("tokens", a.tokens.len(), rows)?;
+        need("status", a.status.len(), a.batch * STATUS_INTS)?;
+        if a.draft_to_target.is_some() {
+            need("masked logits", a.masked.len(), rows * a.vd)?;
+        }
+        if let Some(m) = a.draft_to_target {
+            need("d2t", m.len(), a.vd)?;
+        }
+        if let Some(m) = a.w1_row_of_token {
+            need("W1 rows of tokens", m.len(), a.vocab)?;
+        }
+        let conf_width = match &a.confidence {
+            Some((w, _)) => {
+                if w.len() != a.hidden_dim && w.len() != a.hidden_dim + a.rank {
+                    return Err(shape(format!(
+                        "DSpark confidence head of width {} for hidden {} and rank {}",
+                        w.len(),
+                        a.hidden_dim,
+                        a.rank
+                    )));
+                }
+                w.len()
+            }
+            None => 0,
+        };
+        let (g, vd, vocab, hd, rank, cw) = (
+            int("block size", a.g)?,
+            int("draft vocabulary", a.vd)?,
+            int("vocabulary", a.vocab)?,
+            int("hidden", a.hidden_dim)?,
+            int("rank", a.rank)?,
+            int("confidence width", conf_width)?,
+        );
+        let null: u64 = 0;
+        let conf_b = a.confidence.as_ref().map_or(0.0, |c| c.1);
+        let mut b = self.stream.launch_builder(&self.markov);
+        b.arg(a.base_logits)
+            .arg(a.hidden)
+            .arg(&g)
+            .arg(&vd)
+            .arg(&vocab)
+            .arg(&hd)
+            .arg(&rank)
+            .arg(a.w1);
+        match a.w1_row_of_token {
+            Some(m) => b.arg(m),
+            None => b.arg(&null),
+        };
+        b.arg(a.w2);
+        match &a.confidence {
+            Some((w, _)) => b.arg(*w),
+            None => b.arg(&null),
+        };
+        b.arg(&cw).arg(&conf_b);
+        match a.draft_to_target {
+            Some(m) => b.arg(m),
+            None => b.arg(&null),
+        };
+        b.arg(a.seq_i)
+            .arg(a.seq_f)
+            .arg(a.uniforms)
+            .arg(a.corrected)
+            .arg(a.masked)
+            .arg(a.probs)
+            .arg(a.conf_out)
+            .arg(a.tokens)
+            .arg(a.status);
+        let cfg = LaunchConfig {
+            grid_dim: (a.batch as u32, 1, 1),
+            block_dim: (MARKOV_THREADS, 1, 1),
+            shared_mem_bytes: (4 * a.rank) as u32,
+        };
+        // SAFETY: buffer sizes checked above (the caller keeps anchors, limits and slot counts inside
+        // the vocabularies and the block, which the kernel re-checks for prev); null pointers only for
+        // the optional tensors the kernel tests for; arguments in dspark_markov_loop's order and types.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+}
