@@ -49,6 +49,10 @@ pub struct GpuOptions {
     pub max_positions: usize,
     /// Activation rows per device launch: longer prefills are split into chunks of this many.
     pub max_rows: usize,
+    /// Logits rows one launch may return, at least (the floor is `max_sequences * MAX_GRAPH_TOKENS`
+    /// and 64). An engine step that verifies blocks of up to 17 tokens per sequence and finishes
+    /// prefills in the same launch needs more than the floor.
+    pub min_logit_rows: usize,
 }
 
 impl Default for GpuOptions {
@@ -57,6 +61,7 @@ impl Default for GpuOptions {
             max_sequences: 8,
             max_positions: 2048,
             max_rows: 512,
+            min_logit_rows: 0,
         }
     }
 }
@@ -89,6 +94,16 @@ impl GpuForwardOutput {
         &self.logits[r * self.vocab_size..(r + 1) * self.vocab_size]
     }
 }
+
+/// A captured step, owned by one `GpuTransformer`. cudarc leaves `CudaGraph` `!Send` because graph
+/// objects must not be used from two threads at once; moving one to another thread with its owner is
+/// fine (every launch binds the context to the calling thread first). `GpuTransformer` is therefore
+/// `Send` (a drafter or an engine thread may own it) but not `Sync`.
+struct OwnedGraph(CudaGraph);
+
+// SAFETY: see above: only ownership moves between threads; `OwnedGraph` is not `Sync`, so no two
+// threads can reach the same graph at once.
+unsafe impl Send for OwnedGraph {}
 
 /// How the last step ran.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -244,7 +259,7 @@ pub struct GpuTransformer {
     /// Largest logits rows per launch.
     max_logit_rows: usize,
     /// Keyed by (batch bucket, tokens per sequence, logits per sequence, tapped layers).
-    graphs: HashMap<(usize, usize, usize, Vec<usize>), CudaGraph>,
+    graphs: HashMap<(usize, usize, usize, Vec<usize>), OwnedGraph>,
     /// Tapped layers of the step being encoded (set only for the duration of one forward).
     step_taps: Vec<usize>,
     /// `[tapped layer slot, max_rows, hidden]`: the tapped layers' outputs of the last step. Sized
@@ -594,7 +609,9 @@ impl GpuTransformer {
             }
         }
 
-        let max_logit_rows = (opts.max_sequences * MAX_GRAPH_TOKENS).max(64);
+        let max_logit_rows = (opts.max_sequences * MAX_GRAPH_TOKENS)
+            .max(64)
+            .max(opts.min_logit_rows);
         let layout = InputLayout::new(max_rows, opts.max_sequences, max_blocks);
         let act_width = h.max(qd).max(ffn);
         let buf = StepBuffers {
@@ -896,7 +913,10 @@ impl GpuTransformer {
 
     /// The first `rows` rows of each of the last step's `layers` tapped outputs, on the host.
     pub fn read_tapped(&self, layers: usize, rows: usize) -> Result<Vec<Vec<f32>>, ModelError> {
-        let (h, stride) = (self.config.hidden_size, self.opts.max_rows * self.config.hidden_size);
+        let (h, stride) = (
+            self.config.hidden_size,
+            self.opts.max_rows * self.config.hidden_size,
+        );
         if layers > self.tap_capacity || rows > self.opts.max_rows {
             return Err(ModelError::InvalidRequest(format!(
                 "{layers} tapped layers x {rows} rows read; the buffer holds {} x {}",
@@ -1020,7 +1040,7 @@ impl GpuTransformer {
     ) -> Result<Option<Vec<f64>>, ModelError> {
         const PER_SAMPLE: usize = 10;
         let bucket = batch_bucket(batch, self.opts.max_sequences);
-        let Some(graph) = self.graphs.get(&(bucket, tokens, logits, Vec::new())) else {
+        let Some(OwnedGraph(graph)) = self.graphs.get(&(bucket, tokens, logits, Vec::new())) else {
             return Ok(None);
         };
         let s = &self.device.stream;
@@ -1050,7 +1070,8 @@ impl GpuTransformer {
     /// How the most recent `run` of this shape would go: whether a graph exists for it.
     pub fn has_graph(&self, batch: usize, tokens: usize, logits: usize) -> bool {
         let bucket = batch_bucket(batch, self.opts.max_sequences);
-        self.graphs.contains_key(&(bucket, tokens, logits, Vec::new()))
+        self.graphs
+            .contains_key(&(bucket, tokens, logits, Vec::new()))
     }
 
     /// Validates, grows the sequences' blocks, copies the packed inputs to the device and runs the
@@ -1194,7 +1215,7 @@ impl GpuTransformer {
 
         let path = match graph_shape.map(|(b, t, lg)| (b, t, lg, self.step_taps.clone())) {
             Some(key) if self.graphs.contains_key(&key) => {
-                self.graphs[&key].launch().map_err(gpu)?;
+                self.graphs[&key].0.launch().map_err(gpu)?;
                 StepPath::Graph
             }
             Some(key) => {
@@ -1202,7 +1223,7 @@ impl GpuTransformer {
                 self.encode(rows_total, logits_total)?;
                 match self.capture(rows_total, logits_total) {
                     Ok(graph) => {
-                        self.graphs.insert(key, graph);
+                        self.graphs.insert(key, OwnedGraph(graph));
                         StepPath::Captured
                     }
                     Err(e) => {
