@@ -301,7 +301,7 @@ proptest! {
         fresh_model.forward(&mut fresh, &[SeqInput { seq: s, tokens: &tokens, num_logits: 1 }], &[]).unwrap();
         let cs = drafter.cache_seq(0).unwrap();
         for layer in 0..fresh_model.config.num_layers {
-            prop_assert_eq!(drafter.cache().gather(layer, cs).unwrap(), fresh.gather(layer, s).unwrap());
+            prop_assert_eq!(drafter.cache().unwrap().gather(layer, cs).unwrap(), fresh.gather(layer, s).unwrap());
         }
     }
 }
