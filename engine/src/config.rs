@@ -202,9 +202,19 @@ pub struct AdditionalConfig {
 }
 
 impl AdditionalConfig {
+    /// Parses the JSON object; unknown keys and values are errors that name them.
     pub fn from_json(text: &str) -> Result<AdditionalConfig, EngineError> {
-        serde_json::from_str(text)
-            .map_err(|e| EngineError::InvalidRequest(format!("--additional-config: {e}")))
+        let bad = |e: String| EngineError::InvalidRequest(format!("--additional-config: {e}"));
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
+        // serde would read a struct from a JSON array too (fields by position): only an object
+        // is a configuration.
+        if !value.is_object() {
+            return Err(bad(format!(
+                "expected a JSON object such as {{\"decode_backend\": \"standard\"}}, got {value}"
+            )));
+        }
+        serde_json::from_value(value).map_err(|e| bad(e.to_string()))
     }
 }
 

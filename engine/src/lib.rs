@@ -17,12 +17,12 @@ pub use drafter_factory::{build_drafter, build_drafter_on, DrafterDevice};
 pub use generate::{generate, FinishReason, GenerationOutput, GenerationRequest};
 pub use golden::{GoldenAcceptance, GOLDEN_FORMAT};
 pub use scheduler::{
-    Event, RequestId, Scheduler, SchedulerConfig, SchedulerTotals,
+    Event, RequestId, Scheduler, SchedulerConfig, SchedulerTotals, FALLBACK_CPU_DEVICE,
     FALLBACK_LATENCY_SPECIALIZED_NOT_BUILT,
 };
 pub use speculative::{acceptance_mode, generate_batch, generate_batch_on, BatchOutput, RunStats};
-pub use target::{build_target, CpuTarget, TargetBackend, TargetOptions};
 pub use stats::{GenerationStats, LatencySummary, SpeculativeStats};
+pub use target::{build_target, CpuTarget, TargetBackend, TargetOptions};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {

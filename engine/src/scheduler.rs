@@ -12,8 +12,8 @@
 //! the GPU (`GpuTarget`, feature `cuda`). The scheduler itself is the same for both; only where the
 //! forward and the acceptance rule run differs (see `target.rs` for which random stream each uses).
 
-use crate::generate::GenerationRequest;
 use crate::config::DecodeBackend;
+use crate::generate::GenerationRequest;
 use crate::generate::{next_token, validate_request_for, FinishReason, GenerationOutput};
 use crate::stats::{GenerationStats, LatencySummary, SpeculativeStats};
 use crate::target::{CpuTarget, TargetBackend, VerifyJob};
@@ -75,8 +75,12 @@ pub struct SchedulerTotals {
     pub decode_backend_fallbacks: BTreeMap<String, u64>,
 }
 
-/// Why a `latency_specialized` step ran the standard decode path.
+/// Why a `latency_specialized` step ran the standard decode path on the GPU: the fused decode
+/// backend does not exist yet.
 pub const FALLBACK_LATENCY_SPECIALIZED_NOT_BUILT: &str = "latency_specialized_not_built";
+/// Why a `latency_specialized` step ran the standard decode path on the CPU: the fused backend is a
+/// GPU backend; the CPU device never has it.
+pub const FALLBACK_CPU_DEVICE: &str = "cpu_device";
 
 /// The Philox key of a request's GPU verify uniforms: its seed through SplitMix64, so that the
 /// GPU stream of seed s is unrelated to the ChaCha8 stream of seed s (which still feeds the
@@ -184,6 +188,18 @@ impl<'a> Scheduler<'a> {
         self.decode_backend
     }
 
+    /// Why a step will not run the configured decode backend, if it will not. Every such step is
+    /// counted under this reason in `totals().decode_backend_fallbacks`.
+    pub fn fallback_reason(&self) -> Option<&'static str> {
+        match (self.decode_backend, self.target.device_kind()) {
+            (DecodeBackend::Standard, _) => None,
+            (DecodeBackend::LatencySpecialized, crate::Device::Cpu) => Some(FALLBACK_CPU_DEVICE),
+            (DecodeBackend::LatencySpecialized, crate::Device::Cuda) => {
+                Some(FALLBACK_LATENCY_SPECIALIZED_NOT_BUILT)
+            }
+        }
+    }
+
     /// Where the target runs ("cpu", "cuda (...)").
     pub fn device(&self) -> String {
         self.target.device()
@@ -192,6 +208,15 @@ impl<'a> Scheduler<'a> {
     /// Where acceptance rules run ("host" or "device").
     pub fn verifier(&self) -> &'static str {
         self.target.verifier()
+    }
+
+    /// Positions a sequence may hold: the model's context, or less where the backend's cache is
+    /// smaller (requests are validated against this).
+    pub fn max_positions(&self) -> usize {
+        self.target
+            .config()
+            .max_position_embeddings
+            .min(self.target.max_positions())
     }
 
     /// "none" without a drafter.
@@ -302,11 +327,11 @@ impl<'a> Scheduler<'a> {
         if self.running.is_empty() {
             return Ok(events);
         }
-        if self.decode_backend == DecodeBackend::LatencySpecialized {
+        if let Some(reason) = self.fallback_reason() {
             *self
                 .totals
                 .decode_backend_fallbacks
-                .entry(FALLBACK_LATENCY_SPECIALIZED_NOT_BUILT.to_string())
+                .entry(reason.to_string())
                 .or_insert(0) += 1;
         }
         let c = self.target.config();
@@ -637,7 +662,6 @@ impl<'a> Scheduler<'a> {
     }
 }
 
-/// Appends `t` and reports whether the request is finished.
 /// The tapped layers' outputs for forward rows `rows`, concatenated per row in tap order:
 /// `[rows, layers x hidden]`.
 fn gather_features(hidden: &[Vec<f32>], h: usize, rows: std::ops::Range<usize>) -> Vec<f32> {
@@ -650,6 +674,7 @@ fn gather_features(hidden: &[Vec<f32>], h: usize, rows: std::ops::Range<usize>) 
     out
 }
 
+/// Appends `t` and reports whether the request is finished.
 fn emit(r: &mut RequestState, t: u32, now: Instant, tokenizer: Option<&Tokenizer>) -> bool {
     r.tokens.push(t);
     r.emit_times.push(now);

@@ -47,6 +47,9 @@ pub trait TargetBackend {
     /// Where the forward runs, for reports: "cpu" or "cuda (GPU name, arch)".
     fn device(&self) -> String;
 
+    /// Which kind of device that is (the scheduler's fallback reasons depend on it).
+    fn device_kind(&self) -> crate::Device;
+
     /// Where verify steps apply the acceptance rule, for reports.
     fn verifier(&self) -> &'static str {
         "host"
@@ -155,6 +158,10 @@ impl TargetBackend for CpuTarget<'_> {
         "cpu".into()
     }
 
+    fn device_kind(&self) -> crate::Device {
+        crate::Device::Cpu
+    }
+
     fn add_sequence(&mut self) -> Result<SeqId, EngineError> {
         Ok(self.cache.add_sequence())
     }
@@ -190,6 +197,10 @@ pub struct TargetOptions {
     pub prefill_chunk_tokens: usize,
     /// How many target layers the drafter taps (`Drafter::tapped_target_layers().len()`).
     pub tapped_layers: usize,
+    /// GPU only: positions per sequence the device KV pool holds (capped at the model's context).
+    /// The pool is allocated up front for `max_running` sequences, so a 128k-context model cannot
+    /// simply take its full context; requests are validated against this.
+    pub max_positions: usize,
     /// GPU only: apply the acceptance rules on the device (the GPU sampling kernels, one readback
     /// per step; the default) or on the host from logits copied back.
     pub verify_on_device: bool,
@@ -201,6 +212,7 @@ impl Default for TargetOptions {
             max_running: 16,
             prefill_chunk_tokens: 256,
             tapped_layers: 0,
+            max_positions: 4096,
             verify_on_device: true,
         }
     }
@@ -220,11 +232,51 @@ pub fn build_target<'a>(
     }
 }
 
+/// Checks that `device` can run here without building anything: for `Cuda`, that this build has the
+/// GPU backend and the machine a CUDA driver, a GPU and NVRTC. The error says what is missing and
+/// that `--device cpu` works. Entry points call it before loading GPU drafters, so the first error a
+/// user sees is about the device, not about a drafter.
+pub fn check_device(device: crate::Device) -> Result<(), EngineError> {
+    match device {
+        crate::Device::Cpu => Ok(()),
+        crate::Device::Cuda => check_cuda(),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn check_cuda() -> Result<(), EngineError> {
+    use specula_kernels::cuda::{driver_available, nvrtc_available, CudaError};
+    let unavailable = |e: CudaError| {
+        EngineError::DeviceUnavailable(format!(
+            "--device cuda: {e} (the CPU backend, --device cpu, needs no GPU)"
+        ))
+    };
+    // The driver first: cudarc panics on a missing libcuda when asked anything else.
+    if !driver_available() {
+        return Err(unavailable(CudaError::NoDriver));
+    }
+    match cudarc::driver::CudaContext::device_count() {
+        Ok(n) if n > 0 => {}
+        Ok(_) => return Err(unavailable(CudaError::NoDevice)),
+        Err(e) => return Err(unavailable(CudaError::Driver(e))),
+    }
+    if !nvrtc_available() {
+        return Err(unavailable(CudaError::NoNvrtc));
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn check_cuda() -> Result<(), EngineError> {
+    Err(EngineError::DeviceUnavailable(NO_CUDA_FEATURE.into()))
+}
+
 #[cfg(feature = "cuda")]
 fn build_gpu_target<'a>(
     model: &'a Transformer,
     opts: &TargetOptions,
 ) -> Result<Box<dyn TargetBackend + 'a>, EngineError> {
+    check_cuda()?;
     let gpu = crate::gpu_target::GpuTarget::new(model, opts).map_err(|e| {
         EngineError::DeviceUnavailable(format!(
             "--device cuda: {e} (the CPU backend, --device cpu, needs no GPU)"
