@@ -17,7 +17,8 @@ pub enum DrafterDevice {
     Cpu,
     /// GPU 0 (DSpark and the draft model; needs the crate feature `cuda` and a CUDA driver).
     /// Capacities of the drafter's device state (DSpark's context K/V, the draft model's KV pool):
-    /// sequences held at once, and positions per sequence.
+    /// sequences held at once, and target positions per sequence (DSpark's slot gets room for its
+    /// block on top).
     Cuda {
         max_sequences: usize,
         max_context: usize,
@@ -148,9 +149,10 @@ fn dspark_on_gpu(
     max_sequences: usize,
     max_context: usize,
 ) -> Result<Box<dyn Drafter>, EngineError> {
+    // The device context slot holds the block's own rows after the context rows.
     let opts = specula_drafters::dspark::gpu::GpuDSparkOptions {
         max_sequences,
-        max_context,
+        max_context: max_context + d.block_size(),
         ..Default::default()
     };
     let d = d

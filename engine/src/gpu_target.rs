@@ -442,12 +442,12 @@ impl GpuTarget {
             .sampler
             .upload_philox(&seeds, &offsets)
             .map_err(sampling_err)?;
-        if !vb.outputs.contains_key(&k_max) {
-            let out =
-                VerifyOutput::new(&stream, self.max_running, k_max, vocab).map_err(sampling_err)?;
-            vb.outputs.insert(k_max, out);
-        }
-        let out = vb.outputs.get_mut(&k_max).expect("inserted above");
+        let out = match vb.outputs.entry(k_max) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(
+                VerifyOutput::new(&stream, self.max_running, k_max, vocab).map_err(sampling_err)?,
+            ),
+        };
         let draft = match (&vb.draft, has_probs) {
             (Some((probs, inv_sums)), true) => DraftRows::Full { probs, inv_sums },
             _ => DraftRows::OneHot,

@@ -51,6 +51,8 @@ impl Default for SchedulerConfig {
 }
 
 /// What a step produced for one request.
+// `Finished` is large, but each request produces it once and it is moved, never copied in a loop.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
 pub enum Event {
     /// Tokens emitted this step, in order (stop tokens included, like the final output).
