@@ -95,6 +95,8 @@ struct StepBenchArgs {
     out: PathBuf,
 }
 
+// Parsed once per process: the size of the largest variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum ExperimentCommand {
     /// Sweep drafter x draft length x temperature x rule x prompt set; resumable; writes
