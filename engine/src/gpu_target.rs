@@ -386,9 +386,13 @@ impl GpuTarget {
             )
             .map_err(sampling_err)?;
 
+        // The greedy rule never reads q: a greedy batch skips the upload.
         let has_probs = jobs
             .iter()
-            .any(|j| !j.drafts.is_empty() && j.draft_probs.is_some());
+            .any(|j| !j.drafts.is_empty() && j.draft_probs.is_some())
+            && jobs
+                .iter()
+                .any(|j| !matches!(j.rule, AcceptanceRule::Greedy));
         if has_probs && vb.draft.is_none() {
             let cap = self.max_running * MAX_DRAFT_TOKENS;
             vb.draft = Some((

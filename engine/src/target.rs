@@ -3,7 +3,10 @@
 //!
 //! `CpuTarget` is the reference (`Transformer` + `PagedKvCache`, the verifier's rules on the host,
 //! uniforms from each request's ChaCha8 stream). `GpuTarget` (feature `cuda`, `gpu_target.rs`) runs
-//! the forward with `GpuTransformer` and the rules with the GPU sampling kernels.
+//! the forward with `GpuTransformer` and the rules with the GPU sampling kernels, whose uniforms come
+//! from the request's Philox stream (key `scheduler::philox_seed(seed)`, counter = verify steps so
+//! far), so a GPU run is reproducible per seed but samples differently from a CPU run of that seed.
+//! The ChaCha8 stream still feeds the drafter and the first token on both.
 
 use crate::EngineError;
 use rand_chacha::ChaCha8Rng;
