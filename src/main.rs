@@ -5,8 +5,8 @@ use clap::{Args, Parser, Subcommand};
 use serde_json::json;
 use specula_drafters::Drafter;
 use specula_engine::{
-    build_drafter, generate, generate_batch, GenerationRequest, SpeculativeConfig,
-    SpeculativeMethod,
+    build_drafter_on, build_target, generate, generate_batch_on, AdditionalConfig, Device,
+    DrafterDevice, GenerationRequest, SpeculativeConfig, SpeculativeMethod, TargetOptions,
 };
 use specula_experiments::acceptance::{
     export_golden, run_acceptance, AcceptanceConfig, ChatMode, GoldenSelection, RunOptions,
@@ -95,6 +95,8 @@ struct StepBenchArgs {
     out: PathBuf,
 }
 
+// Parsed once per process: the size of the largest variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum ExperimentCommand {
     /// Sweep drafter x draft length x temperature x rule x prompt set; resumable; writes
@@ -198,6 +200,8 @@ struct ServeArgs {
     /// '{"decode_backend": "standard"|"latency_specialized"}'.
     #[arg(long)]
     additional_config: Option<String>,
+    #[command(flatten)]
+    device: DeviceArgs,
     /// Requests decoded together.
     #[arg(long, default_value_t = 16)]
     max_running: usize,
@@ -209,6 +213,33 @@ struct ServeArgs {
     prefill_chunk: usize,
     #[arg(long, default_value = "auto")]
     dtype: WeightDtype,
+}
+
+/// Where the target runs.
+#[derive(Args)]
+struct DeviceArgs {
+    /// cpu (the reference backend, always built) or cuda (the GPU backend: needs a build with
+    /// `--features cuda`, an NVIDIA driver and NVRTC). With cuda the DSpark drafter and a draft
+    /// model run on the GPU too; n-gram drafting stays on the CPU.
+    #[arg(long, default_value = "cpu")]
+    device: Device,
+    /// With --device cuda: positions per sequence the GPU KV cache holds (capped at the model's
+    /// context; the cache is allocated up front for every running sequence).
+    #[arg(long, default_value_t = TargetOptions::default().max_positions)]
+    gpu_max_context: usize,
+}
+
+impl DeviceArgs {
+    /// Where the drafter's network runs, for `max_sequences` sequences of `context` positions.
+    fn drafter_device(&self, max_sequences: usize, context: usize) -> DrafterDevice {
+        match self.device {
+            Device::Cpu => DrafterDevice::Cpu,
+            Device::Cuda => DrafterDevice::Cuda {
+                max_sequences,
+                max_context: self.gpu_max_context.min(context),
+            },
+        }
+    }
 }
 
 #[derive(Args)]
@@ -264,6 +295,12 @@ struct GenerateArgs {
     stop: Vec<String>,
     #[command(flatten)]
     spec: SpecArgs,
+    #[command(flatten)]
+    device: DeviceArgs,
+    /// '{"decode_backend": "standard"|"latency_specialized"}'. latency_specialized is not built
+    /// yet: every step runs standard, counted by reason in the run stats (--json: run.decode_backend_fallbacks).
+    #[arg(long)]
+    additional_config: Option<String>,
 }
 
 /// Speculation flags: shorthands for fields of --speculative-config (flags override its fields).
@@ -428,9 +465,30 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         embedded.then(|| default_models_dir().join("dspark")),
     )?;
     let rule = spec.rule(a.temperature)?;
+    let additional = match &a.additional_config {
+        Some(j) => AdditionalConfig::from_json(j)?,
+        None => AdditionalConfig::default(),
+    };
+    // Before loading anything: a missing GPU is reported as that, with the CPU fallback.
+    specula_engine::target::check_device(a.device.device)?;
     let loaded = load_model(&a.model)?;
     let tok = loaded.tokenizer()?;
-    let mut drafter = build_drafter(&spec, &loaded, a.model.dtype)?;
+    let target = build_target(
+        a.device.device,
+        &loaded.model,
+        &TargetOptions {
+            max_running: 1,
+            max_positions: a.device.gpu_max_context,
+            ..TargetOptions::default()
+        },
+    )?;
+    let context = target.max_positions();
+    let mut drafter = build_drafter_on(
+        &spec,
+        &loaded,
+        a.model.dtype,
+        a.device.drafter_device(1, context),
+    )?;
     let prompt_token_ids = prompt_ids(&loaded, &a.prompt)?;
     let req = GenerationRequest {
         prompt_ids: prompt_token_ids.clone(),
@@ -454,8 +512,9 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         Some(d) => Some(&mut **d),
         None => None,
     };
-    let out = generate_batch(
-        &loaded.model,
+    let out = generate_batch_on(
+        target,
+        additional.decode_backend,
         drafter_ref,
         &rule,
         std::slice::from_ref(&req),
@@ -503,6 +562,22 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
             s.ttft_ms,
             s.decode_tokens_per_s,
             spec_line
+        );
+        let fallbacks: Vec<String> = run
+            .decode_backend_fallbacks
+            .iter()
+            .map(|(reason, n)| format!("{n} steps: {reason}"))
+            .collect();
+        eprintln!(
+            "[target on {} (acceptance rules on the {}); decode backend {}{}]",
+            run.device,
+            run.verifier,
+            run.decode_backend,
+            if fallbacks.is_empty() {
+                String::new()
+            } else {
+                format!(", fell back to standard: {}", fallbacks.join(", "))
+            }
         );
     }
     Ok(())
@@ -709,6 +784,8 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
         speculative_config: a.speculative_config,
         additional_config: a.additional_config,
         dtype: a.dtype,
+        device: a.device.device,
+        gpu_max_context: a.device.gpu_max_context,
         max_running: a.max_running,
         max_queue: a.max_queue,
         prefill_chunk_tokens: a.prefill_chunk,

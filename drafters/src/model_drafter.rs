@@ -1,5 +1,9 @@
 //! An independent draft model: a small transformer sharing the target's tokenizer drafts
-//! autoregressively, one batched forward per draft position, with its own paged KV cache.
+//! autoregressively, one batched forward per draft position, with its own paged KV cache — on the
+//! CPU, or (feature `cuda`, [`ModelDrafter::to_gpu`]) as a `GpuTransformer` with its device KV pool.
+//! Sampling and the draft distributions stay on the host either way: each draft position's logits
+//! rows come back (one readback per position), because the `Drafter` interface hands q to the
+//! engine as host rows.
 
 use crate::{DraftError, DraftProposal, DraftRequest, Drafter, SeqKey};
 use specula_kernels::sampling;
@@ -15,9 +19,16 @@ struct SeqState {
     committed: Vec<u32>,
 }
 
+/// Where the draft model's forward and KV cache live.
+enum Backend {
+    Cpu(PagedKvCache),
+    #[cfg(feature = "cuda")]
+    Gpu(Box<specula_model::gpu::GpuTransformer>),
+}
+
 pub struct ModelDrafter {
     model: Transformer,
-    cache: PagedKvCache,
+    backend: Backend,
     seqs: HashMap<SeqKey, SeqState>,
 }
 
@@ -61,8 +72,98 @@ impl ModelDrafter {
         let cache = model.new_cache(model.config.max_position_embeddings.saturating_mul(16));
         ModelDrafter {
             model,
-            cache,
+            backend: Backend::Cpu(cache),
             seqs: HashMap::new(),
+        }
+    }
+
+    /// The same drafter with its forward and cache on GPU 0 (`GpuTransformer::upload`, sized by
+    /// `opts`). Must be called before any sequence is added: CPU cache rows are not migrated. A
+    /// machine without a CUDA driver gets an error, never a panic.
+    #[cfg(feature = "cuda")]
+    pub fn to_gpu(self, opts: specula_model::gpu::GpuOptions) -> Result<ModelDrafter, DraftError> {
+        if !self.seqs.is_empty() {
+            return Err(DraftError::Config(
+                "move the draft model to the GPU before adding sequences".into(),
+            ));
+        }
+        if !specula_kernels::cuda::driver_available() {
+            return Err(DraftError::Gpu(
+                specula_kernels::cuda::CudaError::NoDriver.to_string(),
+            ));
+        }
+        let gpu = specula_model::gpu::GpuTransformer::upload(&self.model, opts)
+            .map_err(|e| DraftError::Gpu(format!("uploading the draft model: {e}")))?;
+        Ok(ModelDrafter {
+            backend: Backend::Gpu(Box::new(gpu)),
+            ..self
+        })
+    }
+
+    /// Whether the forward runs on the GPU.
+    pub fn is_gpu(&self) -> bool {
+        !matches!(self.backend, Backend::Cpu(_))
+    }
+
+    fn add_cache_sequence(&mut self) -> Result<SeqId, DraftError> {
+        match &mut self.backend {
+            Backend::Cpu(cache) => Ok(cache.add_sequence()),
+            #[cfg(feature = "cuda")]
+            Backend::Gpu(g) => Ok(g.add_sequence()? as SeqId),
+        }
+    }
+
+    fn remove_cache_sequence(&mut self, seq: SeqId) -> Result<(), DraftError> {
+        match &mut self.backend {
+            Backend::Cpu(cache) => cache
+                .remove_sequence(seq)
+                .map_err(|e| specula_model::ModelError::from(e).into()),
+            #[cfg(feature = "cuda")]
+            Backend::Gpu(g) => Ok(g.remove_sequence(seq as usize)?),
+        }
+    }
+
+    fn truncate_cache(&mut self, seq: SeqId, len: usize) -> Result<(), DraftError> {
+        match &mut self.backend {
+            Backend::Cpu(cache) => cache
+                .truncate(seq, len)
+                .map_err(|e| specula_model::ModelError::from(e).into()),
+            #[cfg(feature = "cuda")]
+            Backend::Gpu(g) => Ok(g.truncate(seq as usize, len)?),
+        }
+    }
+
+    /// One forward with one logits row per input: `[inputs, vocab]` on the host, and the vocab.
+    fn forward_last_rows(
+        &mut self,
+        inputs: &[(SeqId, &[u32])],
+    ) -> Result<(Vec<f32>, usize), DraftError> {
+        match &mut self.backend {
+            Backend::Cpu(cache) => {
+                let inputs: Vec<SeqInput> = inputs
+                    .iter()
+                    .map(|&(seq, tokens)| SeqInput {
+                        seq,
+                        tokens,
+                        num_logits: 1,
+                    })
+                    .collect();
+                let out = self.model.forward(cache, &inputs, &[])?;
+                Ok((out.logits, out.vocab_size))
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Gpu(g) => {
+                let inputs: Vec<specula_model::gpu::GpuSeqInput> = inputs
+                    .iter()
+                    .map(|&(seq, tokens)| specula_model::gpu::GpuSeqInput {
+                        seq: seq as usize,
+                        tokens,
+                        num_logits: 1,
+                    })
+                    .collect();
+                let out = g.forward(&inputs)?;
+                Ok((out.logits, out.vocab_size))
+            }
         }
     }
 
@@ -75,8 +176,13 @@ impl ModelDrafter {
         self.seqs.get(&seq).map(|s| s.cached.as_slice())
     }
 
-    pub fn cache(&self) -> &PagedKvCache {
-        &self.cache
+    /// The CPU cache (`None` on the GPU).
+    pub fn cache(&self) -> Option<&PagedKvCache> {
+        match &self.backend {
+            Backend::Cpu(cache) => Some(cache),
+            #[cfg(feature = "cuda")]
+            Backend::Gpu(_) => None,
+        }
     }
 
     pub fn cache_seq(&self, seq: SeqKey) -> Option<SeqId> {
@@ -93,7 +199,7 @@ impl Drafter for ModelDrafter {
         if self.seqs.contains_key(&seq) {
             return Err(DraftError::DuplicateSequence(seq));
         }
-        let cache_seq = self.cache.add_sequence();
+        let cache_seq = self.add_cache_sequence()?;
         self.seqs.insert(
             seq,
             SeqState {
@@ -110,10 +216,7 @@ impl Drafter for ModelDrafter {
             .seqs
             .remove(&seq)
             .ok_or(DraftError::UnknownSequence(seq))?;
-        self.cache
-            .remove_sequence(s.cache_seq)
-            .map_err(specula_model::ModelError::from)?;
-        Ok(())
+        self.remove_cache_sequence(s.cache_seq)
     }
 
     fn propose(
@@ -132,7 +235,7 @@ impl Drafter for ModelDrafter {
         for r in requests.iter() {
             let s = self
                 .seqs
-                .get_mut(&r.seq)
+                .get(&r.seq)
                 .ok_or(DraftError::UnknownSequence(r.seq))?;
             if r.max_tokens == 0 {
                 feeds.push(Vec::new());
@@ -146,11 +249,14 @@ impl Drafter for ModelDrafter {
                 .count();
             // The last committed token must be fed to get logits for the next position.
             keep = keep.min(s.committed.len().saturating_sub(1));
-            self.cache
-                .truncate(s.cache_seq, keep)
-                .map_err(specula_model::ModelError::from)?;
-            s.cached.truncate(keep);
-            feeds.push(s.committed[keep..].to_vec());
+            let (cache_seq, feed) = (s.cache_seq, s.committed[keep..].to_vec());
+            self.truncate_cache(cache_seq, keep)?;
+            self.seqs
+                .get_mut(&r.seq)
+                .expect("checked above")
+                .cached
+                .truncate(keep);
+            feeds.push(feed);
         }
         let max_k = requests.iter().map(|r| r.max_tokens).max().unwrap_or(0);
         for step in 0..max_k {
@@ -160,19 +266,15 @@ impl Drafter for ModelDrafter {
             if active.is_empty() {
                 break;
             }
-            let inputs: Vec<SeqInput> = active
+            let inputs: Vec<(SeqId, &[u32])> = active
                 .iter()
-                .map(|&i| SeqInput {
-                    seq: self.seqs[&requests[i].seq].cache_seq,
-                    tokens: &feeds[i],
-                    num_logits: 1,
-                })
+                .map(|&i| (self.seqs[&requests[i].seq].cache_seq, feeds[i].as_slice()))
                 .collect();
-            let out = self.model.forward(&mut self.cache, &inputs, &[])?;
+            let (rows, vocab) = self.forward_last_rows(&inputs)?;
             for (row, &i) in active.iter().enumerate() {
                 let r = &mut requests[i];
-                let limit = r.vocab_limit.min(out.vocab_size);
-                let logits = &out.row(row, 0)[..limit];
+                let limit = r.vocab_limit.min(vocab);
+                let logits = &rows[row * vocab..row * vocab + limit];
                 let q = sampling::probabilities(logits, &r.sampling)?;
                 let token = if r.sampling.is_greedy() {
                     sampling::argmax(logits)?

@@ -171,9 +171,124 @@ impl SpeculativeConfig {
     }
 }
 
+/// Which decode path serves steps (`--additional-config '{"decode_backend": ...}'`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DecodeBackend {
+    /// The scheduler's step: drafts, one target forward, the acceptance rule.
+    #[default]
+    Standard,
+    /// A decode path tuned for per-user latency. Not built yet: accepted as configuration, every
+    /// step runs `standard` and is counted as a fallback (reason
+    /// `scheduler::FALLBACK_LATENCY_SPECIALIZED_NOT_BUILT`), never silently.
+    LatencySpecialized,
+}
+
+impl DecodeBackend {
+    pub fn name(self) -> &'static str {
+        match self {
+            DecodeBackend::Standard => "standard",
+            DecodeBackend::LatencySpecialized => "latency_specialized",
+        }
+    }
+}
+
+/// `--additional-config` JSON (the serving engines' extra settings).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdditionalConfig {
+    #[serde(default)]
+    pub decode_backend: DecodeBackend,
+}
+
+impl AdditionalConfig {
+    /// Parses the JSON object; unknown keys and values are errors that name them.
+    pub fn from_json(text: &str) -> Result<AdditionalConfig, EngineError> {
+        let bad = |e: String| EngineError::InvalidRequest(format!("--additional-config: {e}"));
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
+        // serde would read a struct from a JSON array too (fields by position): only an object
+        // is a configuration.
+        if !value.is_object() {
+            return Err(bad(format!(
+                "expected a JSON object such as {{\"decode_backend\": \"standard\"}}, got {value}"
+            )));
+        }
+        serde_json::from_value(value).map_err(|e| bad(e.to_string()))
+    }
+}
+
+/// Where the target model runs (`--device cpu|cuda`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Device {
+    /// The CPU reference backend (always built).
+    #[default]
+    Cpu,
+    /// The GPU backend (`GpuTransformer` and the GPU sampling kernels; needs the `cuda` feature, an
+    /// NVIDIA driver and NVRTC).
+    Cuda,
+}
+
+impl Device {
+    pub fn name(self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            Device::Cuda => "cuda",
+        }
+    }
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Device, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" | "gpu" => Ok(Device::Cuda),
+            other => Err(format!("unknown device {other:?}: use cpu or cuda")),
+        }
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn additional_config_and_device_parse() {
+        assert_eq!(
+            AdditionalConfig::from_json(r#"{"decode_backend": "standard"}"#)
+                .unwrap()
+                .decode_backend,
+            DecodeBackend::Standard
+        );
+        assert_eq!(
+            AdditionalConfig::from_json(r#"{"decode_backend": "latency_specialized"}"#)
+                .unwrap()
+                .decode_backend,
+            DecodeBackend::LatencySpecialized
+        );
+        assert_eq!(
+            AdditionalConfig::from_json("{}").unwrap().decode_backend,
+            DecodeBackend::Standard
+        );
+        let e = AdditionalConfig::from_json(r#"{"decode_backend": "turbo"}"#).unwrap_err();
+        assert!(e.to_string().contains("--additional-config"), "{e}");
+        assert!(AdditionalConfig::from_json(r#"{"decode_backnd": "standard"}"#).is_err());
+        assert!(AdditionalConfig::from_json("not json").is_err());
+        assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu);
+        assert_eq!("CUDA".parse::<Device>().unwrap(), Device::Cuda);
+        let e = "tpu".parse::<Device>().unwrap_err();
+        assert!(e.contains("cpu or cuda"), "{e}");
+        assert_eq!(Device::Cuda.to_string(), "cuda");
+    }
 
     #[test]
     fn parses_the_serving_shape_and_checks_combinations() {

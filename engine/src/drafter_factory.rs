@@ -15,8 +15,10 @@ use std::path::{Path, PathBuf};
 pub enum DrafterDevice {
     #[default]
     Cpu,
-    /// GPU 0 (DSpark only; needs the crate feature `cuda` and a CUDA driver). Capacities of the
-    /// drafter's device context: sequences held at once, and positions per sequence.
+    /// GPU 0 (DSpark and the draft model; needs the crate feature `cuda` and a CUDA driver).
+    /// Capacities of the drafter's device state (DSpark's context K/V, the draft model's KV pool):
+    /// sequences held at once, and target positions per sequence (DSpark's slot gets room for its
+    /// block on top).
     Cuda {
         max_sequences: usize,
         max_context: usize,
@@ -44,9 +46,8 @@ pub fn build_drafter(
 }
 
 /// `build_drafter` with the drafter's network on `device`. On the GPU, DSpark runs its block pass
-/// and Markov loop there (`DSparkDrafter::to_gpu`); n-gram lookup has no network and stays on the
-/// CPU; an independent draft model has no GPU backend yet and is refused rather than silently run on
-/// the CPU.
+/// and Markov loop there (`DSparkDrafter::to_gpu`), an independent draft model its forward and KV
+/// cache (`ModelDrafter::to_gpu`); n-gram lookup has no network and stays on the CPU.
 pub fn build_drafter_on(
     spec: &SpeculativeConfig,
     target: &LoadedModel,
@@ -62,9 +63,10 @@ pub fn build_drafter_on(
             SpeculativeMethod::None | SpeculativeMethod::Ngram => {
                 build_drafter_on(spec, target, dtype, DrafterDevice::Cpu)
             }
-            SpeculativeMethod::DraftModel => Err(EngineError::InvalidRequest(
-                "the draft_model drafter has no GPU backend yet; run it on the CPU".into(),
-            )),
+            SpeculativeMethod::DraftModel => {
+                let d = load_draft_model(spec, target, dtype)?;
+                Ok(Some(draft_model_on_gpu(d, max_sequences, max_context)?))
+            }
             SpeculativeMethod::Dspark => {
                 let d = load_dspark_for(&model_path(spec)?, target, spec.num_speculative_tokens)?;
                 Ok(Some(dspark_on_gpu(d, max_sequences, max_context)?))
@@ -77,26 +79,59 @@ pub fn build_drafter_on(
             spec.prompt_lookup_min,
             spec.prompt_lookup_max,
         ))),
-        SpeculativeMethod::DraftModel => {
-            let path = model_path(spec)?;
-            let draft = load(&path, dtype).map_err(|e| {
-                EngineError::Drafter(format!("loading draft model {}: {e}", path.display()))
-            })?;
-            check_shared_vocabulary(
-                draft.model.config.vocab_size,
-                target.model.config.vocab_size,
-                draft.tokenizer.as_ref(),
-                target.tokenizer.as_ref(),
-            )
-            .map_err(|e| EngineError::Drafter(format!("draft model {}: {e}", path.display())))?;
-            Some(Box::new(ModelDrafter::new(draft.model)))
-        }
+        SpeculativeMethod::DraftModel => Some(Box::new(load_draft_model(spec, target, dtype)?)),
         SpeculativeMethod::Dspark => Some(Box::new(load_dspark_for(
             &model_path(spec)?,
             target,
             spec.num_speculative_tokens,
         )?)),
     })
+}
+
+/// Loads the draft model of `spec`, refusing one that does not share the target's vocabulary.
+fn load_draft_model(
+    spec: &SpeculativeConfig,
+    target: &LoadedModel,
+    dtype: WeightDtype,
+) -> Result<ModelDrafter, EngineError> {
+    let path = model_path(spec)?;
+    let draft = load(&path, dtype).map_err(|e| {
+        EngineError::Drafter(format!("loading draft model {}: {e}", path.display()))
+    })?;
+    check_shared_vocabulary(
+        draft.model.config.vocab_size,
+        target.model.config.vocab_size,
+        draft.tokenizer.as_ref(),
+        target.tokenizer.as_ref(),
+    )
+    .map_err(|e| EngineError::Drafter(format!("draft model {}: {e}", path.display())))?;
+    Ok(ModelDrafter::new(draft.model))
+}
+
+#[cfg(feature = "cuda")]
+fn draft_model_on_gpu(
+    d: ModelDrafter,
+    max_sequences: usize,
+    max_context: usize,
+) -> Result<Box<dyn Drafter>, EngineError> {
+    let opts = specula_model::gpu::GpuOptions {
+        max_sequences,
+        max_positions: max_context,
+        ..Default::default()
+    };
+    let d = d
+        .to_gpu(opts)
+        .map_err(|e| EngineError::Drafter(format!("draft model on the GPU: {e}")))?;
+    Ok(Box::new(d))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn draft_model_on_gpu(
+    _: ModelDrafter,
+    _: usize,
+    _: usize,
+) -> Result<Box<dyn Drafter>, EngineError> {
+    Err(EngineError::InvalidRequest(NO_CUDA_DRAFTER.into()))
 }
 
 fn model_path(spec: &SpeculativeConfig) -> Result<PathBuf, EngineError> {
@@ -114,9 +149,10 @@ fn dspark_on_gpu(
     max_sequences: usize,
     max_context: usize,
 ) -> Result<Box<dyn Drafter>, EngineError> {
+    // The device context slot holds the block's own rows after the context rows.
     let opts = specula_drafters::dspark::gpu::GpuDSparkOptions {
         max_sequences,
-        max_context,
+        max_context: max_context + d.block_size(),
         ..Default::default()
     };
     let d = d
@@ -127,12 +163,12 @@ fn dspark_on_gpu(
 
 #[cfg(not(feature = "cuda"))]
 fn dspark_on_gpu(_: DSparkDrafter, _: usize, _: usize) -> Result<Box<dyn Drafter>, EngineError> {
-    Err(EngineError::InvalidRequest(
-        "this build has no CUDA backend (enable the specula-engine feature `cuda`); \
-         run the drafter on the CPU"
-            .into(),
-    ))
+    Err(EngineError::InvalidRequest(NO_CUDA_DRAFTER.into()))
 }
+
+#[cfg(not(feature = "cuda"))]
+const NO_CUDA_DRAFTER: &str = "this build has no CUDA backend (enable the specula-engine feature \
+     `cuda`); run the drafter on the CPU";
 
 /// Loads a DSpark drafter directory (`config.json` + `model.safetensors`, DeepSpec layout) for
 /// `target`, checking that its draft length covers the requested one.

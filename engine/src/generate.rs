@@ -47,7 +47,17 @@ pub struct GenerationOutput {
 
 /// Validates a request against a model before any work is done.
 pub fn validate_request(model: &Transformer, req: &GenerationRequest) -> Result<(), EngineError> {
-    let c = &model.config;
+    validate_request_for(&model.config, model.config.max_position_embeddings, req)
+}
+
+/// `validate_request` for a model of config `c` whose sequences hold at most `max_positions`
+/// positions (a backend's cache can be smaller than the model's context).
+pub fn validate_request_for(
+    c: &specula_model::ModelConfig,
+    max_positions: usize,
+    req: &GenerationRequest,
+) -> Result<(), EngineError> {
+    let context = c.max_position_embeddings.min(max_positions);
     if req.prompt_ids.is_empty() {
         return Err(EngineError::InvalidRequest("the prompt is empty".into()));
     }
@@ -57,11 +67,11 @@ pub fn validate_request(model: &Transformer, req: &GenerationRequest) -> Result<
             c.vocab_size
         )));
     }
-    if req.prompt_ids.len() >= c.max_position_embeddings {
+    if req.prompt_ids.len() >= context {
         return Err(EngineError::InvalidRequest(format!(
             "the prompt has {} tokens; the model's context is {} tokens and one must remain to generate",
             req.prompt_ids.len(),
-            c.max_position_embeddings
+            context
         )));
     }
     if req.vocab_limit == Some(0) {

@@ -5,17 +5,24 @@ pub mod config;
 pub mod drafter_factory;
 pub mod generate;
 pub mod golden;
+#[cfg(feature = "cuda")]
+pub mod gpu_target;
 pub mod scheduler;
 pub mod speculative;
 pub mod stats;
+pub mod target;
 
-pub use config::{SpeculativeConfig, SpeculativeMethod};
+pub use config::{AdditionalConfig, DecodeBackend, Device, SpeculativeConfig, SpeculativeMethod};
 pub use drafter_factory::{build_drafter, build_drafter_on, DrafterDevice};
 pub use generate::{generate, FinishReason, GenerationOutput, GenerationRequest};
 pub use golden::{GoldenAcceptance, GOLDEN_FORMAT};
-pub use scheduler::{Event, RequestId, Scheduler, SchedulerConfig, SchedulerTotals};
-pub use speculative::{acceptance_mode, generate_batch, BatchOutput, RunStats};
+pub use scheduler::{
+    Event, RequestId, Scheduler, SchedulerConfig, SchedulerTotals, FALLBACK_CPU_DEVICE,
+    FALLBACK_LATENCY_SPECIALIZED_NOT_BUILT,
+};
+pub use speculative::{acceptance_mode, generate_batch, generate_batch_on, BatchOutput, RunStats};
 pub use stats::{GenerationStats, LatencySummary, SpeculativeStats};
+pub use target::{build_target, CpuTarget, TargetBackend, TargetOptions};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -33,4 +40,10 @@ pub enum EngineError {
     Drafter(String),
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+    /// The chosen device cannot run here (no GPU backend in this build, no driver, no GPU).
+    #[error("{0}")]
+    DeviceUnavailable(String),
+    /// The GPU backend failed during a step (a driver error or a kernel's reported failure).
+    #[error("GPU backend: {0}")]
+    Gpu(String),
 }

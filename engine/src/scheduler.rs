@@ -7,19 +7,24 @@
 //! batch-invariant (a position's logits do not depend on the other rows of the forward or on how the
 //! prompt was chunked) and every random draw comes from the request's own stream. That is what lets
 //! `generate_batch` be a thin wrapper over this scheduler with bit-identical results.
+//!
+//! The target is a `TargetBackend`: the CPU reference (`CpuTarget`, what `Scheduler::new` builds) or
+//! the GPU (`GpuTarget`, feature `cuda`). The scheduler itself is the same for both; only where the
+//! forward and the acceptance rule run differs (see `target.rs` for which random stream each uses).
 
+use crate::config::DecodeBackend;
 use crate::generate::GenerationRequest;
-use crate::generate::{next_token, validate_request, FinishReason, GenerationOutput};
+use crate::generate::{next_token, validate_request_for, FinishReason, GenerationOutput};
 use crate::stats::{GenerationStats, LatencySummary, SpeculativeStats};
+use crate::target::{CpuTarget, TargetBackend, VerifyJob};
 use crate::EngineError;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use specula_drafters::{DraftProposal, DraftRequest, Drafter};
-use specula_kernels::sampling;
 use specula_model::tokenizer::Tokenizer;
-use specula_model::{PagedKvCache, SeqId, SeqInput, Transformer};
-use specula_verifier::{AcceptanceCounter, AcceptanceRule, DraftProbs, VerifyInput};
-use std::collections::VecDeque;
+use specula_model::{SeqId, SeqInput, Transformer};
+use specula_verifier::{AcceptanceCounter, AcceptanceRule};
+use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 /// Identifies a request for its whole life in the scheduler.
@@ -46,6 +51,8 @@ impl Default for SchedulerConfig {
 }
 
 /// What a step produced for one request.
+// `Finished` is large, but each request produces it once and it is moved, never copied in a loop.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
 pub enum Event {
     /// Tokens emitted this step, in order (stop tokens included, like the final output).
@@ -66,6 +73,25 @@ pub struct SchedulerTotals {
     pub draft_time: Duration,
     pub verify_time: Duration,
     pub steps: u64,
+    /// Steps that ran another decode backend than the one configured, by reason (never silent).
+    pub decode_backend_fallbacks: BTreeMap<String, u64>,
+}
+
+/// Why a `latency_specialized` step ran the standard decode path on the GPU: the fused decode
+/// backend does not exist yet.
+pub const FALLBACK_LATENCY_SPECIALIZED_NOT_BUILT: &str = "latency_specialized_not_built";
+/// Why a `latency_specialized` step ran the standard decode path on the CPU: the fused backend is a
+/// GPU backend; the CPU device never has it.
+pub const FALLBACK_CPU_DEVICE: &str = "cpu_device";
+
+/// The Philox key of a request's GPU verify uniforms: its seed through SplitMix64, so that the
+/// GPU stream of seed s is unrelated to the ChaCha8 stream of seed s (which still feeds the
+/// drafter and the first token) and nearby seeds give unrelated keys.
+pub fn philox_seed(request_seed: u64) -> u64 {
+    let mut z = request_seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 struct RequestState {
@@ -82,6 +108,8 @@ struct RequestState {
     /// kept until the drafter takes the sequence; empty unless the drafter taps target layers.
     prompt_features: Vec<f32>,
     rng: ChaCha8Rng,
+    /// Verify steps run so far: the Philox counter of the next one (GPU verification).
+    verify_steps: u64,
     /// Emitted but not yet in the target cache.
     pending: u32,
     tokens: Vec<u32>,
@@ -99,13 +127,13 @@ impl RequestState {
     }
 }
 
-/// Owns the target cache and borrows the model, drafter and tokenizer for its lifetime.
+/// Owns the target backend (model and cache) and borrows the drafter and tokenizer.
 pub struct Scheduler<'a> {
-    target: &'a Transformer,
+    target: Box<dyn TargetBackend + 'a>,
     drafter: Option<&'a mut dyn Drafter>,
     tokenizer: Option<&'a Tokenizer>,
     config: SchedulerConfig,
-    cache: PagedKvCache,
+    decode_backend: DecodeBackend,
     waiting: VecDeque<RequestState>,
     running: Vec<RequestState>,
     next_id: RequestId,
@@ -113,32 +141,84 @@ pub struct Scheduler<'a> {
 }
 
 impl<'a> Scheduler<'a> {
-    /// `tokenizer` is needed only for stop strings.
+    /// On the CPU backend. `tokenizer` is needed only for stop strings.
     pub fn new(
         target: &'a Transformer,
         drafter: Option<&'a mut dyn Drafter>,
         tokenizer: Option<&'a Tokenizer>,
         config: SchedulerConfig,
     ) -> Scheduler<'a> {
+        let cpu = CpuTarget::new(target, config.max_running.max(1));
+        Scheduler::with_target(Box::new(cpu), drafter, tokenizer, config)
+    }
+
+    /// On any backend (`target::build_target` makes one for a `Device`).
+    pub fn with_target(
+        target: Box<dyn TargetBackend + 'a>,
+        drafter: Option<&'a mut dyn Drafter>,
+        tokenizer: Option<&'a Tokenizer>,
+        config: SchedulerConfig,
+    ) -> Scheduler<'a> {
+        let max_running = config.max_running.max(1);
         let config = SchedulerConfig {
-            max_running: config.max_running.max(1),
-            prefill_chunk_tokens: config.prefill_chunk_tokens.max(1),
+            max_running,
+            prefill_chunk_tokens: config
+                .prefill_chunk_tokens
+                .min(target.max_prefill_tokens_per_step(max_running))
+                .max(1),
         };
-        // Every running sequence can reach the full context plus a partly filled block; the cache
-        // grows lazily, so this only caps memory.
-        let per_seq = target.config.max_position_embeddings + PagedKvCache::DEFAULT_BLOCK_SIZE;
-        let cache = target.new_cache(per_seq.saturating_mul(config.max_running));
         Scheduler {
             target,
             drafter,
             tokenizer,
             config,
-            cache,
+            decode_backend: DecodeBackend::Standard,
             waiting: VecDeque::new(),
             running: Vec::new(),
             next_id: 0,
             totals: SchedulerTotals::default(),
         }
+    }
+
+    /// The decode path steps should take. `latency_specialized` is not built yet: every step runs
+    /// the standard path and is counted in `totals().decode_backend_fallbacks`.
+    pub fn set_decode_backend(&mut self, backend: DecodeBackend) {
+        self.decode_backend = backend;
+    }
+
+    pub fn decode_backend(&self) -> DecodeBackend {
+        self.decode_backend
+    }
+
+    /// Why a step will not run the configured decode backend, if it will not. Every such step is
+    /// counted under this reason in `totals().decode_backend_fallbacks`.
+    pub fn fallback_reason(&self) -> Option<&'static str> {
+        match (self.decode_backend, self.target.device_kind()) {
+            (DecodeBackend::Standard, _) => None,
+            (DecodeBackend::LatencySpecialized, crate::Device::Cpu) => Some(FALLBACK_CPU_DEVICE),
+            (DecodeBackend::LatencySpecialized, crate::Device::Cuda) => {
+                Some(FALLBACK_LATENCY_SPECIALIZED_NOT_BUILT)
+            }
+        }
+    }
+
+    /// Where the target runs ("cpu", "cuda (...)").
+    pub fn device(&self) -> String {
+        self.target.device()
+    }
+
+    /// Where acceptance rules run ("host" or "device").
+    pub fn verifier(&self) -> &'static str {
+        self.target.verifier()
+    }
+
+    /// Positions a sequence may hold: the model's context, or less where the backend's cache is
+    /// smaller (requests are validated against this).
+    pub fn max_positions(&self) -> usize {
+        self.target
+            .config()
+            .max_position_embeddings
+            .min(self.target.max_positions())
     }
 
     /// "none" without a drafter.
@@ -166,7 +246,7 @@ impl<'a> Scheduler<'a> {
 
     /// Checks a request without queueing it.
     pub fn validate(&self, req: &GenerationRequest) -> Result<(), EngineError> {
-        validate_request(self.target, req)?;
+        validate_request_for(self.target.config(), self.target.max_positions(), req)?;
         if req.num_draft_tokens > MAX_DRAFT_TOKENS {
             return Err(EngineError::InvalidRequest(format!(
                 "num_draft_tokens is {}; the supported range is 0..={MAX_DRAFT_TOKENS}",
@@ -188,6 +268,7 @@ impl<'a> Scheduler<'a> {
         self.waiting.push_back(RequestState {
             id,
             rng: ChaCha8Rng::seed_from_u64(req.seed),
+            verify_steps: 0,
             req,
             rule,
             seq: None,
@@ -228,7 +309,7 @@ impl<'a> Scheduler<'a> {
             }
         }
         if let Some(seq) = r.seq {
-            self.cache.remove_sequence(seq)?;
+            self.target.remove_sequence(seq)?;
         }
         Ok(())
     }
@@ -242,14 +323,21 @@ impl<'a> Scheduler<'a> {
             let Some(mut r) = self.waiting.pop_front() else {
                 break;
             };
-            r.seq = Some(self.cache.add_sequence());
+            r.seq = Some(self.target.add_sequence()?);
             self.running.push(r);
         }
         if self.running.is_empty() {
             return Ok(events);
         }
-        let c = &self.target.config;
-        let limit = c.max_position_embeddings;
+        if let Some(reason) = self.fallback_reason() {
+            *self
+                .totals
+                .decode_backend_fallbacks
+                .entry(reason.to_string())
+                .or_insert(0) += 1;
+        }
+        let c = self.target.config();
+        let limit = c.max_position_embeddings.min(self.target.max_positions());
         let vocab = c.vocab_size;
 
         // Decoding sequences, and how many drafts each may take this step.
@@ -258,7 +346,7 @@ impl<'a> Scheduler<'a> {
             if !r.decoding() {
                 continue;
             }
-            let cached = self.cache.len(r.seq.expect("admitted"))?;
+            let cached = self.target.len(r.seq.expect("admitted"))?;
             if cached + 1 > limit {
                 r.finish = Some(FinishReason::ContextFull);
                 continue;
@@ -343,7 +431,7 @@ impl<'a> Scheduler<'a> {
         }
         let starts: Vec<usize> = decode
             .iter()
-            .map(|&(i, _)| self.cache.len(self.running[i].seq.expect("admitted")))
+            .map(|&(i, _)| self.target.len(self.running[i].seq.expect("admitted")))
             .collect::<Result<_, _>>()?;
         let mut inputs: Vec<SeqInput> = decode
             .iter()
@@ -374,7 +462,32 @@ impl<'a> Scheduler<'a> {
             .as_deref()
             .map(|d| d.tapped_target_layers().to_vec())
             .unwrap_or_default();
-        let out = self.target.forward(&mut self.cache, &inputs, &tapped)?;
+        // The verify rules' random streams are taken out of the requests for the step (the inputs
+        // borrow the requests' prompts) and put back right after.
+        let mut rngs: Vec<ChaCha8Rng> = decode
+            .iter()
+            .map(|&(i, _)| self.running[i].rng.clone())
+            .collect();
+        let mut jobs: Vec<VerifyJob> = decode
+            .iter()
+            .zip(&proposals)
+            .zip(rngs.iter_mut())
+            .map(|((&(i, _), p), rng)| {
+                let r = &self.running[i];
+                VerifyJob {
+                    drafts: &p.tokens,
+                    draft_probs: p.probs.as_deref(),
+                    sampling: r.req.sampling,
+                    allowed: r.req.vocab_limit.map_or(vocab, |v| v.min(vocab)),
+                    rule: &r.rule,
+                    rng,
+                    philox_seed: philox_seed(r.req.seed),
+                    philox_offset: r.verify_steps,
+                }
+            })
+            .collect();
+        let out = self.target.step(&inputs, &tapped, &mut jobs)?;
+        drop(jobs);
         // Row of each input's first new token in `out.hidden`.
         let mut first_row = Vec::with_capacity(inputs.len());
         let mut row = 0;
@@ -383,32 +496,23 @@ impl<'a> Scheduler<'a> {
             row += inp.tokens.len();
         }
         drop(inputs);
-        let hidden_size = self.target.config.hidden_size;
+        for (&(i, _), rng) in decode.iter().zip(rngs) {
+            self.running[i].rng = rng;
+        }
+        let hidden_size = self.target.config().hidden_size;
         let now = Instant::now();
 
         for (a, &(i, _)) in decode.iter().enumerate() {
             let r = &mut self.running[i];
             let drafts = &proposals[a].tokens;
-            let allowed = r.req.vocab_limit.map_or(vocab, |v| v.min(vocab));
-            let target_probs: Vec<Vec<f32>> = (0..=drafts.len())
-                .map(|j| sampling::probabilities(&out.row(a, j)[..allowed], &r.req.sampling))
-                .collect::<Result<_, _>>()?;
-            let draft_probs = match &proposals[a].probs {
-                Some(q) => DraftProbs::Full(q),
-                None => DraftProbs::OneHot,
-            };
-            let input = VerifyInput {
-                draft_tokens: drafts,
-                draft_probs,
-                target_probs: &target_probs,
-            };
-            let outcome = r.rule.verify(&input, &mut r.rng)?;
+            let outcome = &out.outcomes[a];
+            r.verify_steps += 1;
             r.counter.record(drafts.len(), outcome.num_accepted)?;
             self.totals
                 .acceptance
                 .record(drafts.len(), outcome.num_accepted)?;
             // Keep [pending, accepted drafts] in the target cache; drop the rejected positions.
-            self.cache.truncate(
+            self.target.truncate(
                 r.seq.expect("admitted"),
                 starts[a] + 1 + outcome.num_accepted,
             )?;
@@ -461,7 +565,7 @@ impl<'a> Scheduler<'a> {
             if to < r.req.prompt_ids.len() {
                 continue;
             }
-            let logits = out.row(decode.len() + p, 0);
+            let logits = &out.last_logits[p];
             let allowed = r
                 .req
                 .vocab_limit
@@ -560,7 +664,6 @@ impl<'a> Scheduler<'a> {
     }
 }
 
-/// Appends `t` and reports whether the request is finished.
 /// The tapped layers' outputs for forward rows `rows`, concatenated per row in tap order:
 /// `[rows, layers x hidden]`.
 fn gather_features(hidden: &[Vec<f32>], h: usize, rows: std::ops::Range<usize>) -> Vec<f32> {
@@ -573,6 +676,7 @@ fn gather_features(hidden: &[Vec<f32>], h: usize, rows: std::ops::Range<usize>) 
     out
 }
 
+/// Appends `t` and reports whether the request is finished.
 fn emit(r: &mut RequestState, t: u32, now: Instant, tokenizer: Option<&Tokenizer>) -> bool {
     r.tokens.push(t);
     r.emit_times.push(now);

@@ -4,15 +4,18 @@
 //! state on `commit`) -> emit, stopping on max tokens, stop tokens (exactly where they occur inside an
 //! accepted block) and stop strings.
 
+use crate::config::DecodeBackend;
 use crate::generate::{GenerationOutput, GenerationRequest};
 use crate::scheduler::{Event, Scheduler, SchedulerConfig};
 use crate::stats::PerPositionAcceptance;
+use crate::target::{CpuTarget, TargetBackend};
 use crate::EngineError;
 use serde::Serialize;
 use specula_drafters::Drafter;
 use specula_model::tokenizer::Tokenizer;
 use specula_model::Transformer;
 use specula_verifier::AcceptanceRule;
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 /// Whether the accepted lengths came from the rule's real decisions or were forced.
@@ -44,6 +47,14 @@ pub struct RunStats {
     pub per_position_acceptance: PerPositionAcceptance,
     pub draft_ms: f64,
     pub verify_ms: f64,
+    /// Where the target ran: "cpu" or "cuda (GPU name, arch)".
+    pub device: String,
+    /// Where the acceptance rules ran: "host" or "device".
+    pub verifier: String,
+    /// The decode backend asked for (`--additional-config`).
+    pub decode_backend: String,
+    /// Steps that ran another decode path than the one asked for, by reason.
+    pub decode_backend_fallbacks: BTreeMap<String, u64>,
 }
 
 pub struct BatchOutput {
@@ -51,8 +62,9 @@ pub struct BatchOutput {
     pub run: RunStats,
 }
 
-/// Generates for every request together. With `drafter == None` every step verifies zero drafts
-/// (plain decoding through the same loop). `tokenizer` is needed only for stop strings.
+/// Generates for every request together on the CPU backend. With `drafter == None` every step
+/// verifies zero drafts (plain decoding through the same loop). `tokenizer` is needed only for stop
+/// strings.
 pub fn generate_batch(
     target: &Transformer,
     drafter: Option<&mut dyn Drafter>,
@@ -60,8 +72,30 @@ pub fn generate_batch(
     requests: &[GenerationRequest],
     tokenizer: Option<&Tokenizer>,
 ) -> Result<BatchOutput, EngineError> {
+    let cpu = CpuTarget::new(target, requests.len().max(1));
+    generate_batch_on(
+        Box::new(cpu),
+        DecodeBackend::Standard,
+        drafter,
+        rule,
+        requests,
+        tokenizer,
+    )
+}
+
+/// `generate_batch` on any backend (`target::build_target`), with `decode_backend` as configured.
+/// The backend must have room for `requests.len()` running sequences.
+pub fn generate_batch_on(
+    target: Box<dyn TargetBackend + '_>,
+    decode_backend: DecodeBackend,
+    drafter: Option<&mut dyn Drafter>,
+    rule: &AcceptanceRule,
+    requests: &[GenerationRequest],
+    tokenizer: Option<&Tokenizer>,
+) -> Result<BatchOutput, EngineError> {
     let run_start = Instant::now();
-    // Everything is admitted at once and each prompt is prefilled in one piece, as a static batch.
+    // Everything is admitted at once and each prompt is prefilled in one piece (as far as the
+    // backend's step allows), as a static batch.
     let config = SchedulerConfig {
         max_running: requests.len().max(1),
         prefill_chunk_tokens: usize::MAX,
@@ -76,7 +110,8 @@ pub fn generate_batch(
         Some(d) => Some(d),
         None => None,
     };
-    let mut scheduler = Scheduler::new(target, drafter, tokenizer, config);
+    let mut scheduler = Scheduler::with_target(target, drafter, tokenizer, config);
+    scheduler.set_decode_backend(decode_backend);
     // Validate everything before any work, so a bad request fails the batch without side effects.
     for req in requests {
         scheduler.validate(req)?;
@@ -129,6 +164,10 @@ pub fn generate_batch(
         per_position_acceptance: PerPositionAcceptance::from_counter(&totals.acceptance),
         draft_ms: totals.draft_time.as_secs_f64() * 1e3,
         verify_ms: totals.verify_time.as_secs_f64() * 1e3,
+        device: scheduler.device(),
+        verifier: scheduler.verifier().into(),
+        decode_backend: decode_backend.name().into(),
+        decode_backend_fallbacks: totals.decode_backend_fallbacks.clone(),
     };
     Ok(BatchOutput { outputs, run })
 }

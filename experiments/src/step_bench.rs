@@ -307,6 +307,7 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
         max_sequences: max_b,
         max_positions,
         max_rows: (max_b * cfg.context).clamp(256, 2048),
+        ..GpuOptions::default()
     };
     let t0 = Instant::now();
     let (mut gpu, shape) = match (&cfg.random_weights, &cfg.model) {

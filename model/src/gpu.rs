@@ -49,6 +49,10 @@ pub struct GpuOptions {
     pub max_positions: usize,
     /// Activation rows per device launch: longer prefills are split into chunks of this many.
     pub max_rows: usize,
+    /// Logits rows one launch may return, at least (the floor is `max_sequences * MAX_GRAPH_TOKENS`
+    /// and 64). An engine step that verifies blocks of up to 17 tokens per sequence and finishes
+    /// prefills in the same launch needs more than the floor.
+    pub min_logit_rows: usize,
 }
 
 impl Default for GpuOptions {
@@ -57,6 +61,7 @@ impl Default for GpuOptions {
             max_sequences: 8,
             max_positions: 2048,
             max_rows: 512,
+            min_logit_rows: 0,
         }
     }
 }
@@ -78,6 +83,9 @@ pub struct GpuForwardOutput {
     pub logits: Vec<f32>,
     pub logits_start: Vec<usize>,
     pub vocab_size: usize,
+    /// For each tapped layer, `[total new tokens, hidden]`: the residual stream after that layer
+    /// (HF `hidden_states[layer + 1]`), exactly what the CPU `ForwardOutput::hidden` holds.
+    pub hidden: Vec<Vec<f32>>,
 }
 
 impl GpuForwardOutput {
@@ -86,6 +94,16 @@ impl GpuForwardOutput {
         &self.logits[r * self.vocab_size..(r + 1) * self.vocab_size]
     }
 }
+
+/// A captured step, owned by one `GpuTransformer`. cudarc leaves `CudaGraph` `!Send` because graph
+/// objects must not be used from two threads at once; moving one to another thread with its owner is
+/// fine (every launch binds the context to the calling thread first). `GpuTransformer` is therefore
+/// `Send` (a drafter or an engine thread may own it) but not `Sync`.
+struct OwnedGraph(CudaGraph);
+
+// SAFETY: see above: only ownership moves between threads; `OwnedGraph` is not `Sync`, so no two
+// threads can reach the same graph at once.
+unsafe impl Send for OwnedGraph {}
 
 /// How the last step ran.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -240,7 +258,15 @@ pub struct GpuTransformer {
     buf: StepBuffers,
     /// Largest logits rows per launch.
     max_logit_rows: usize,
-    graphs: HashMap<(usize, usize, usize), CudaGraph>,
+    /// Keyed by (batch bucket, tokens per sequence, logits per sequence, tapped layers).
+    graphs: HashMap<(usize, usize, usize, Vec<usize>), OwnedGraph>,
+    /// Tapped layers of the step being encoded (set only for the duration of one forward).
+    step_taps: Vec<usize>,
+    /// `[tapped layer slot, max_rows, hidden]`: the tapped layers' outputs of the last step. Sized
+    /// by `reserve_tapped_layers` before any tapped step, so captured graphs copy into a buffer that
+    /// stays put.
+    tap_buf: CudaSlice<f32>,
+    tap_capacity: usize,
     /// Gate/up rows interleaved in groups of 8 so SwiGLU runs in the GEMM's epilogue (ffn % 8 == 0).
     paired_gate_up: bool,
     ablation: StepAblation,
@@ -583,7 +609,9 @@ impl GpuTransformer {
             }
         }
 
-        let max_logit_rows = (opts.max_sequences * MAX_GRAPH_TOKENS).max(64);
+        let max_logit_rows = (opts.max_sequences * MAX_GRAPH_TOKENS)
+            .max(64)
+            .max(opts.min_logit_rows);
         let layout = InputLayout::new(max_rows, opts.max_sequences, max_blocks);
         let act_width = h.max(qd).max(ffn);
         let buf = StepBuffers {
@@ -628,6 +656,9 @@ impl GpuTransformer {
             buf,
             max_logit_rows,
             graphs: HashMap::new(),
+            step_taps: Vec::new(),
+            tap_buf: s.alloc_zeros::<f32>(1).map_err(gpu)?,
+            tap_capacity: 0,
             paired_gate_up,
             ablation: StepAblation::default(),
             num_sms,
@@ -802,11 +833,117 @@ impl GpuTransformer {
     /// Runs the inputs and returns their logits on the host. Prefills longer than `max_rows` rows are
     /// split into chunks (each a direct launch); batches that fit run as one step.
     pub fn forward(&mut self, inputs: &[GpuSeqInput<'_>]) -> Result<GpuForwardOutput, ModelError> {
+        self.forward_tapped(inputs, &[])
+    }
+
+    /// Sizes the tapped-layer buffer for up to `layers` taps per step (drafters that condition on
+    /// target features). Call before the first tapped step: graphs captured earlier are dropped,
+    /// because they copy into the old buffer.
+    pub fn reserve_tapped_layers(&mut self, layers: usize) -> Result<(), ModelError> {
+        if layers <= self.tap_capacity {
+            return Ok(());
+        }
+        let n = layers * self.opts.max_rows * self.config.hidden_size;
+        self.tap_buf = self.device.stream.alloc_zeros::<f32>(n).map_err(gpu)?;
+        self.tap_capacity = layers;
+        self.graphs.clear();
+        Ok(())
+    }
+
+    fn check_taps(&self, taps: &[usize]) -> Result<(), ModelError> {
+        if taps.len() > self.tap_capacity {
+            return Err(ModelError::InvalidRequest(format!(
+                "{} tapped layers asked for; reserve_tapped_layers made room for {}",
+                taps.len(),
+                self.tap_capacity
+            )));
+        }
+        if let Some(&l) = taps.iter().find(|&&l| l >= self.config.num_layers) {
+            return Err(ModelError::InvalidRequest(format!(
+                "hidden layer {l} requested of {}",
+                self.config.num_layers
+            )));
+        }
+        Ok(())
+    }
+
+    /// Runs one step (graph or direct) with the tapped layers' outputs kept on the device; the
+    /// taps are part of the graph key, so a tapped and an untapped step of one shape are two graphs.
+    fn run_tapped(
+        &mut self,
+        inputs: &[GpuSeqInput<'_>],
+        taps: &[usize],
+    ) -> Result<(usize, StepPath), ModelError> {
+        self.check_taps(taps)?;
+        self.step_taps = taps.to_vec();
+        let result = self.run(inputs, true);
+        self.step_taps.clear();
+        result
+    }
+
+    /// One step that leaves its logits on the device (`logits_on_device`, rows packed in input
+    /// order, `num_logits` per sequence) and its tapped outputs in the tap buffer (`read_tapped`).
+    /// Nothing is copied back and nothing waits: the caller queues its own work behind it. The
+    /// step must fit one launch (`max_rows` rows, `max_logit_rows` logits rows).
+    pub fn forward_on_device(
+        &mut self,
+        inputs: &[GpuSeqInput<'_>],
+        taps: &[usize],
+    ) -> Result<usize, ModelError> {
+        let total: usize = inputs.iter().map(|i| i.tokens.len()).sum();
+        let logits: usize = inputs.iter().map(|i| i.num_logits).sum();
+        if total > self.opts.max_rows || logits > self.max_logit_rows {
+            return Err(ModelError::InvalidRequest(format!(
+                "{total} rows / {logits} logits rows do not fit one GPU step (limits {} / {})",
+                self.opts.max_rows, self.max_logit_rows
+            )));
+        }
+        Ok(self.run_tapped(inputs, taps)?.0)
+    }
+
+    /// The logits of the last step, `[logits rows, vocab]` (valid until the next step).
+    pub fn logits_on_device(&self) -> &CudaSlice<f32> {
+        &self.buf.logits
+    }
+
+    /// Most logits rows one step returns.
+    pub fn max_logit_rows(&self) -> usize {
+        self.max_logit_rows
+    }
+
+    /// The first `rows` rows of each of the last step's `layers` tapped outputs, on the host.
+    pub fn read_tapped(&self, layers: usize, rows: usize) -> Result<Vec<Vec<f32>>, ModelError> {
+        let (h, stride) = (
+            self.config.hidden_size,
+            self.opts.max_rows * self.config.hidden_size,
+        );
+        if layers > self.tap_capacity || rows > self.opts.max_rows {
+            return Err(ModelError::InvalidRequest(format!(
+                "{layers} tapped layers x {rows} rows read; the buffer holds {} x {}",
+                self.tap_capacity, self.opts.max_rows
+            )));
+        }
+        let s = &self.device.stream;
+        (0..layers)
+            .map(|slot| {
+                s.clone_dtoh(&self.tap_buf.slice(slot * stride..slot * stride + rows * h))
+                    .map_err(gpu)
+            })
+            .collect()
+    }
+
+    /// `forward`, also returning the outputs of the layers in `taps` (as the CPU forward's
+    /// `hidden_layers`).
+    pub fn forward_tapped(
+        &mut self,
+        inputs: &[GpuSeqInput<'_>],
+        taps: &[usize],
+    ) -> Result<GpuForwardOutput, ModelError> {
         let vocab = self.config.vocab_size;
         let total: usize = inputs.iter().map(|i| i.tokens.len()).sum();
         let logits: usize = inputs.iter().map(|i| i.num_logits).sum();
         if total <= self.opts.max_rows && logits <= self.max_logit_rows {
-            let (n, _) = self.run(inputs, true)?;
+            let (n, _) = self.run_tapped(inputs, taps)?;
             let mut out = vec![0f32; n * vocab];
             let s = self.device.stream.clone();
             if n > 0 {
@@ -814,6 +951,7 @@ impl GpuTransformer {
                     .map_err(gpu)?;
             }
             s.synchronize().map_err(gpu)?;
+            let hidden = self.read_tapped(taps.len(), total)?;
             let mut starts = Vec::with_capacity(inputs.len());
             let mut acc = 0;
             for i in inputs {
@@ -824,11 +962,13 @@ impl GpuTransformer {
                 logits: out,
                 logits_start: starts,
                 vocab_size: vocab,
+                hidden,
             });
         }
         // One sequence at a time, in chunks of max_rows tokens; logits for the rows asked for.
         let mut all = GpuForwardOutput {
             vocab_size: vocab,
+            hidden: vec![Vec::new(); taps.len()],
             ..Default::default()
         };
         for inp in inputs {
@@ -844,12 +984,18 @@ impl GpuTransformer {
                 let start = ci * self.opts.max_rows;
                 let end = start + chunk.len();
                 let num_logits = end.saturating_sub(first_logit.max(start));
-                let o = self.forward(&[GpuSeqInput {
-                    seq: inp.seq,
-                    tokens: chunk,
-                    num_logits,
-                }])?;
+                let o = self.forward_tapped(
+                    &[GpuSeqInput {
+                        seq: inp.seq,
+                        tokens: chunk,
+                        num_logits,
+                    }],
+                    taps,
+                )?;
                 all.logits.extend_from_slice(&o.logits);
+                for (dst, src) in all.hidden.iter_mut().zip(&o.hidden) {
+                    dst.extend_from_slice(src);
+                }
             }
         }
         Ok(all)
@@ -894,7 +1040,7 @@ impl GpuTransformer {
     ) -> Result<Option<Vec<f64>>, ModelError> {
         const PER_SAMPLE: usize = 10;
         let bucket = batch_bucket(batch, self.opts.max_sequences);
-        let Some(graph) = self.graphs.get(&(bucket, tokens, logits)) else {
+        let Some(OwnedGraph(graph)) = self.graphs.get(&(bucket, tokens, logits, Vec::new())) else {
             return Ok(None);
         };
         let s = &self.device.stream;
@@ -924,7 +1070,8 @@ impl GpuTransformer {
     /// How the most recent `run` of this shape would go: whether a graph exists for it.
     pub fn has_graph(&self, batch: usize, tokens: usize, logits: usize) -> bool {
         let bucket = batch_bucket(batch, self.opts.max_sequences);
-        self.graphs.contains_key(&(bucket, tokens, logits))
+        self.graphs
+            .contains_key(&(bucket, tokens, logits, Vec::new()))
     }
 
     /// Validates, grows the sequences' blocks, copies the packed inputs to the device and runs the
@@ -1066,9 +1213,9 @@ impl GpuTransformer {
         s.memcpy_htod(&self.host_inputs, &mut self.buf.inputs)
             .map_err(gpu)?;
 
-        let path = match graph_shape {
+        let path = match graph_shape.map(|(b, t, lg)| (b, t, lg, self.step_taps.clone())) {
             Some(key) if self.graphs.contains_key(&key) => {
-                self.graphs[&key].launch().map_err(gpu)?;
+                self.graphs[&key].0.launch().map_err(gpu)?;
                 StepPath::Graph
             }
             Some(key) => {
@@ -1076,7 +1223,7 @@ impl GpuTransformer {
                 self.encode(rows_total, logits_total)?;
                 match self.capture(rows_total, logits_total) {
                     Ok(graph) => {
-                        self.graphs.insert(key, graph);
+                        self.graphs.insert(key, OwnedGraph(graph));
                         StepPath::Captured
                     }
                     Err(e) => {
@@ -1127,6 +1274,7 @@ impl GpuTransformer {
         let gemm = &self.gemm;
         let lay = self.layout;
         let buf = &mut self.buf;
+        let (taps, tap_buf, max_rows) = (&self.step_taps, &mut self.tap_buf, self.opts.max_rows);
         let (h, qd, kvd, hd, ffn) = (
             c.hidden_size,
             c.q_dim(),
@@ -1174,7 +1322,7 @@ impl GpuTransformer {
             rows_cfg(rows, 128),
             &[KernelArg::buf(&self.embed, s), tokens, x, h_i],
         )?;
-        for l in &mut self.layers {
+        for (li, l) in self.layers.iter_mut().enumerate() {
             let norm =
                 |w: &CudaSlice<f32>| [x, KernelArg::null(), KernelArg::buf(w, s), act16, h_i, eps];
             if !ab.skip_norms {
@@ -1298,6 +1446,7 @@ impl GpuTransformer {
             }
             gemm.linear_acc(&l.w_down, &buf.ffn_act16, &mut buf.x, h, ffn, rows, true)
                 .map_err(blas)?;
+            copy_tapped_output(&stream, &buf.x, taps, li, tap_buf, rows * h, max_rows * h)?;
         }
         // Final norm of the logits rows only, LM head, greedy ids (none for a prefill chunk that
         // needs no logits).
@@ -1324,6 +1473,26 @@ impl GpuTransformer {
         go(&k.argmax_rows, rows_cfg(n_logits, 1024), &args)?;
         Ok(())
     }
+}
+
+/// After layer `layer`: copies the residual stream (`x`, its first `n` values: the step's rows) into
+/// every tap slot that asked for this layer (slot `i` starts at `i * slot_len`). A device-to-device
+/// copy on the step's stream, so it is captured into graphs like the kernels around it; like cuBLAS
+/// it is no PDL launch, so it waits for the layer's last kernel and the next kernel waits for it.
+fn copy_tapped_output(
+    s: &std::sync::Arc<cudarc::driver::CudaStream>,
+    x: &CudaSlice<f32>,
+    taps: &[usize],
+    layer: usize,
+    tap_buf: &mut CudaSlice<f32>,
+    n: usize,
+    slot_len: usize,
+) -> Result<(), ModelError> {
+    for (slot, _) in taps.iter().enumerate().filter(|&(_, &t)| t == layer) {
+        let mut dst = tap_buf.slice_mut(slot * slot_len..slot * slot_len + n);
+        s.memcpy_dtod(&x.slice(..n), &mut dst).map_err(gpu)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,12 +1,13 @@
-//! The engine thread: owns the scheduler (and through it the target cache and drafter) and runs steps
-//! while there is work. HTTP handlers submit requests over a channel and receive events on a channel
+//! The engine thread: owns the scheduler (and through it the target backend — CPU or GPU — and the
+//! drafter) and runs steps while there is work. HTTP handlers submit requests over a channel and receive events on a channel
 //! of their own; a handler that goes away (client disconnect) drops its receiver, and the engine
 //! cancels the request before its next step.
 
 use crate::metrics::Metrics;
-use crate::DecodeBackend;
 use specula_drafters::Drafter;
-use specula_engine::SchedulerConfig;
+use specula_engine::{
+    build_target, DecodeBackend, Device, EngineError, SchedulerConfig, TargetOptions,
+};
 use specula_engine::{Event, GenerationOutput, GenerationRequest, RequestId, Scheduler};
 use specula_model::loader::LoadedModel;
 use specula_verifier::AcceptanceRule;
@@ -36,22 +37,56 @@ struct Client {
     last_token: Option<Instant>,
 }
 
-/// Why a latency-specialized step ran on the standard backend.
-pub const FALLBACK_NO_GPU_BACKEND: &str = "latency_specialized_needs_gpu_backend";
+/// What the engine thread is to build.
+pub struct EngineSetup {
+    pub device: Device,
+    pub target: TargetOptions,
+    pub decode_backend: DecodeBackend,
+    pub config: SchedulerConfig,
+}
 
+/// What the engine thread reports once its target is built.
+#[derive(Debug, Clone)]
+pub struct EngineReady {
+    pub device: String,
+    /// Where acceptance rules run ("host" or "device").
+    pub verifier: &'static str,
+    /// Positions a sequence may hold.
+    pub context: usize,
+    /// Why every step will fall back from the configured decode backend, if it will.
+    pub fallback_reason: Option<&'static str>,
+}
+
+/// Builds the target on this thread, reports on `ready`, then serves submissions until the channel
+/// closes. A target that cannot be built (no GPU) is reported and the thread ends.
 pub fn run_engine(
     model: Arc<LoadedModel>,
     mut drafter: Option<Box<dyn Drafter>>,
-    backend: DecodeBackend,
-    config: SchedulerConfig,
+    setup: EngineSetup,
     mut submissions: mpsc::UnboundedReceiver<Submission>,
     metrics: Arc<Mutex<Metrics>>,
+    ready: std::sync::mpsc::Sender<Result<EngineReady, EngineError>>,
 ) {
+    let target = match build_target(setup.device, &model.model, &setup.target) {
+        Ok(t) => t,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
     let drafter_ref: Option<&mut dyn Drafter> = match drafter.as_mut() {
         Some(d) => Some(&mut **d),
         None => None,
     };
-    let mut scheduler = Scheduler::new(&model.model, drafter_ref, model.tokenizer.as_ref(), config);
+    let mut scheduler =
+        Scheduler::with_target(target, drafter_ref, model.tokenizer.as_ref(), setup.config);
+    scheduler.set_decode_backend(setup.decode_backend);
+    let _ = ready.send(Ok(EngineReady {
+        device: scheduler.device(),
+        verifier: scheduler.verifier(),
+        context: scheduler.max_positions(),
+        fallback_reason: scheduler.fallback_reason(),
+    }));
     let mut clients: HashMap<RequestId, Client> = HashMap::new();
     loop {
         // Block only when there is nothing to step; otherwise take what has arrived and go on.
@@ -81,14 +116,8 @@ pub fn run_engine(
             publish_gauges(&scheduler, &metrics);
             continue;
         }
-        if backend == DecodeBackend::LatencySpecialized {
-            // There is no latency-specialized CPU kernel: every step runs the standard backend,
-            // and each such step is counted so the fallback is never silent.
-            *lock(&metrics)
-                .fallbacks
-                .entry(FALLBACK_NO_GPU_BACKEND.to_string())
-                .or_insert(0) += 1;
-        }
+        // Steps that cannot run the configured decode backend run the standard one; the scheduler
+        // counts each under its reason, and /metrics shows the counts.
         match scheduler.step() {
             Ok(events) => dispatch(events, &mut clients, &metrics),
             Err(e) => {
@@ -115,6 +144,8 @@ fn publish_gauges(scheduler: &Scheduler<'_>, metrics: &Arc<Mutex<Metrics>>) {
     let mut m = metrics.lock().unwrap_or_else(|p| p.into_inner());
     m.running = scheduler.num_running();
     m.waiting = scheduler.num_waiting();
+    m.fallbacks
+        .clone_from(&scheduler.totals().decode_backend_fallbacks);
 }
 
 fn admit(scheduler: &mut Scheduler<'_>, clients: &mut HashMap<RequestId, Client>, s: Submission) {

@@ -18,13 +18,13 @@ use axum::{Json, Router};
 use engine::{EngineEvent, Submission};
 use futures_util::stream::{self, Stream, StreamExt};
 use metrics::Metrics;
-use serde::Deserialize;
 use serde_json::{json, Value};
-use specula_engine::generate::validate_request;
+use specula_engine::generate::validate_request_for;
 use specula_engine::{
-    build_drafter, GenerationOutput, GenerationRequest, SchedulerConfig, SpeculativeConfig,
-    SpeculativeMethod,
+    build_drafter_on, DrafterDevice, GenerationOutput, GenerationRequest, SchedulerConfig,
+    SpeculativeConfig, SpeculativeMethod, TargetOptions,
 };
+pub use specula_engine::{AdditionalConfig, DecodeBackend, Device};
 use specula_kernels::sampling::SamplingParams;
 use specula_model::loader::{load, LoadedModel};
 use specula_model::tokenizer::ChatMessage;
@@ -40,24 +40,6 @@ use tokio::sync::mpsc;
 
 /// Request bodies above this are refused with 413.
 pub const MAX_BODY_BYTES: usize = 1 << 20;
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DecodeBackend {
-    #[default]
-    Standard,
-    /// A GPU decode path tuned for per-user latency. Accepted as configuration; without a GPU
-    /// backend every step falls back to standard, counted in `/metrics`.
-    LatencySpecialized,
-}
-
-/// `--additional-config` JSON.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct AdditionalConfig {
-    #[serde(default)]
-    pub decode_backend: DecodeBackend,
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -78,6 +60,11 @@ pub struct ServerOptions {
     pub speculative_config: Option<String>,
     pub additional_config: Option<String>,
     pub dtype: WeightDtype,
+    /// Where the target (and the DSpark drafter or draft model) runs.
+    pub device: Device,
+    /// `Device::Cuda`: positions per sequence the device KV pools hold (capped at the model's
+    /// context); prompts and max_tokens are validated against it.
+    pub gpu_max_context: usize,
     pub max_running: usize,
     /// Requests that may wait for a batch slot; beyond it requests get 429.
     pub max_queue: usize,
@@ -92,6 +79,8 @@ impl Default for ServerOptions {
             speculative_config: None,
             additional_config: None,
             dtype: WeightDtype::Auto,
+            device: Device::Cpu,
+            gpu_max_context: TargetOptions::default().max_positions,
             max_running: 16,
             max_queue: 64,
             prefill_chunk_tokens: 256,
@@ -112,6 +101,8 @@ pub const DEFAULT_MODEL_NAME: &str = "specula-default";
 
 struct AppState {
     model: Arc<LoadedModel>,
+    /// Positions a sequence may hold (the model's context, or less on the GPU).
+    context: usize,
     /// The first is the canonical name; the model path is accepted too.
     served_names: Vec<String>,
     spec: SpeculativeConfig,
@@ -148,9 +139,10 @@ fn load_err(path: &std::path::Path, e: impl std::fmt::Display) -> ServerError {
 impl Server {
     /// Loads the model and drafter and starts the engine thread.
     pub fn start(opts: ServerOptions) -> Result<Server, ServerError> {
-        let additional: AdditionalConfig = match &opts.additional_config {
-            Some(j) => serde_json::from_str(j)
-                .map_err(|e| ServerError::Config(format!("--additional-config: {e}")))?,
+        let additional = match &opts.additional_config {
+            Some(j) => {
+                AdditionalConfig::from_json(j).map_err(|e| ServerError::Config(e.to_string()))?
+            }
             None => AdditionalConfig::default(),
         };
         let mut spec = match &opts.speculative_config {
@@ -190,12 +182,35 @@ impl Server {
         let loaded = load(&path, opts.dtype).map_err(|e| load_err(&path, e))?;
         // The server needs a tokenizer for text prompts; fail at start, not per request.
         loaded.tokenizer().map_err(|e| load_err(&path, e))?;
-        let drafter = build_drafter(&spec, &loaded, opts.dtype).map_err(|e| {
-            load_err(
-                std::path::Path::new(spec.model.as_deref().unwrap_or("drafter")),
-                e,
-            )
-        })?;
+        let max_running = opts.max_running.max(1);
+        let target_opts = TargetOptions {
+            max_running,
+            prefill_chunk_tokens: opts.prefill_chunk_tokens.max(1),
+            max_positions: opts.gpu_max_context,
+            ..TargetOptions::default()
+        };
+        // The target first: on a machine without a usable GPU its error names the problem and the
+        // CPU fallback, before a GPU drafter would fail less clearly.
+        if opts.device == Device::Cuda {
+            specula_engine::target::check_device(Device::Cuda)
+                .map_err(|e| ServerError::Config(e.to_string()))?;
+        }
+        let drafter_device = match opts.device {
+            Device::Cpu => DrafterDevice::Cpu,
+            Device::Cuda => DrafterDevice::Cuda {
+                max_sequences: max_running,
+                max_context: opts
+                    .gpu_max_context
+                    .min(loaded.model.config.max_position_embeddings),
+            },
+        };
+        let drafter =
+            build_drafter_on(&spec, &loaded, opts.dtype, drafter_device).map_err(|e| {
+                load_err(
+                    std::path::Path::new(spec.model.as_deref().unwrap_or("drafter")),
+                    e,
+                )
+            })?;
         let name = if embedded {
             DEFAULT_MODEL_NAME.to_string()
         } else {
@@ -203,43 +218,58 @@ impl Server {
                 .map_or(path.display().to_string(), |f| f.to_string_lossy().into())
         };
         let served_names = vec![name.clone(), path.display().to_string()];
-        let description = format!(
-            "serving {name} ({}) with drafter {} (k = {}), decode backend {:?}{}; max running {}, max queue {}",
-            path.display(),
-            drafter.as_ref().map_or("none", |d| d.name()),
-            spec.draft_tokens(),
-            additional.decode_backend,
-            if additional.decode_backend == DecodeBackend::LatencySpecialized {
-                format!(
-                    " (no GPU backend in this build: every step falls back to standard, counted as \
-                     specula_decode_backend_fallbacks_total{{reason=\"{}\"}})",
-                    engine::FALLBACK_NO_GPU_BACKEND
-                )
-            } else {
-                String::new()
-            },
-            opts.max_running,
-            opts.max_queue
-        );
+        let drafter_name = drafter.as_ref().map_or("none", |d| d.name()).to_string();
         let model = Arc::new(loaded);
         let metrics = Arc::new(Mutex::new(Metrics::new(&name)));
         let (submit, submissions) = mpsc::unbounded_channel();
         let config = SchedulerConfig {
-            max_running: opts.max_running.max(1),
+            max_running,
             prefill_chunk_tokens: opts.prefill_chunk_tokens.max(1),
         };
+        // The engine thread builds the target (a GPU target lives on the thread that steps it) and
+        // reports how that went before serving starts.
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         {
             let model = model.clone();
             let metrics = metrics.clone();
-            let backend = additional.decode_backend;
+            let setup = engine::EngineSetup {
+                device: opts.device,
+                target: target_opts,
+                decode_backend: additional.decode_backend,
+                config,
+            };
             std::thread::Builder::new()
                 .name("specula-engine".into())
                 .spawn(move || {
-                    engine::run_engine(model, drafter, backend, config, submissions, metrics)
+                    engine::run_engine(model, drafter, setup, submissions, metrics, ready_tx)
                 })?;
         }
+        let ready = ready_rx
+            .recv()
+            .map_err(|_| ServerError::Config("the engine thread ended while starting".into()))?
+            .map_err(|e| ServerError::Config(e.to_string()))?;
+        let description = format!(
+            "serving {name} ({}) on {} (acceptance rules on the {}) with drafter {} (k = {}), decode backend {}{}; context {} tokens, max running {}, max queue {}",
+            path.display(),
+            ready.device,
+            ready.verifier,
+            drafter_name,
+            spec.draft_tokens(),
+            additional.decode_backend.name(),
+            match ready.fallback_reason {
+                Some(reason) => format!(
+                    " (not available: every step runs standard and is counted as \
+                     specula_decode_backend_fallbacks_total{{reason=\"{reason}\"}})"
+                ),
+                None => String::new(),
+            },
+            ready.context,
+            opts.max_running,
+            opts.max_queue
+        );
         Ok(Server {
             state: Arc::new(AppState {
+                context: ready.context,
                 model,
                 served_names,
                 spec,
@@ -330,7 +360,7 @@ async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
             "object": "model",
             "created": unix_now(),
             "owned_by": "specula",
-            "max_model_len": st.model.model.config.max_position_embeddings,
+            "max_model_len": st.context,
         }]
     }))
 }
@@ -393,7 +423,7 @@ fn prepare(st: &AppState, bytes: &[u8], endpoint: Endpoint) -> Result<Prepared, 
         .model
         .tokenizer()
         .map_err(|e| ApiError::invalid(e.to_string(), None))?;
-    let context = st.model.model.config.max_position_embeddings;
+    let context = st.context;
     let (prompt_ids, fields) = match endpoint {
         Endpoint::Completion => {
             let b: CompletionBody = parse_body(bytes)?;
@@ -499,7 +529,7 @@ fn prepare(st: &AppState, bytes: &[u8], endpoint: Endpoint) -> Result<Prepared, 
         stop_strings: settings.stops.clone(),
         num_draft_tokens: st.spec.draft_tokens(),
     };
-    validate_request(&st.model.model, &request)
+    validate_request_for(&st.model.model.config, st.context, &request)
         .map_err(|e| ApiError::invalid(e.to_string(), Some("prompt")))?;
     Ok(Prepared { request, settings })
 }

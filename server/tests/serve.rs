@@ -414,7 +414,30 @@ async fn shutdown_finishes_in_flight_streams() {
         .send()
         .await
         .unwrap();
-    let fallbacks = metric(&s.base, "specula_decode_backend_fallbacks_total").await;
+    // Every step falls back (never silently), under the CPU device's reason; the request is
+    // running, so steps are being counted while the stream is open.
+    let mut fallbacks = 0.0;
+    for _ in 0..600 {
+        fallbacks = metric(&s.base, "specula_decode_backend_fallbacks_total").await;
+        if fallbacks > 0.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(fallbacks > 0.0, "no fallback counted");
+    let text = reqwest::get(format!("{}/metrics", s.base))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        text.contains(&format!(
+            "specula_decode_backend_fallbacks_total{{model_name=\"specula-default\",reason=\"{}\"}}",
+            specula_engine::FALLBACK_CPU_DEVICE
+        )),
+        "{text}"
+    );
     let _ = s.stop.take().unwrap().send(());
     let text = r.text().await.unwrap();
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
@@ -423,8 +446,6 @@ async fn shutdown_finishes_in_flight_streams() {
         .await
         .expect("server stops after the stream ends")
         .unwrap();
-    // Every step fell back (never silently): counted before the stream had even finished.
-    let _ = fallbacks;
 }
 
 /// The seed's DL7 configuration: `{"method": "dspark", "num_speculative_tokens": 7}` with no model
@@ -467,4 +488,25 @@ async fn dspark_dl7_serves_natural_and_synthetic_acceptance() {
     dspark.shutdown().await;
     plain.shutdown().await;
     synthetic.shutdown().await;
+}
+
+/// `--device cuda` where it cannot run (no GPU backend in the build, no driver): a start-up error
+/// that names the problem and the CPU fallback, never a panic on the engine thread.
+#[test]
+fn cuda_device_without_a_gpu_is_a_clear_start_error() {
+    let started = specula_server::Server::start(ServerOptions {
+        device: specula_server::Device::Cuda,
+        ..ServerOptions::default()
+    });
+    match started {
+        // A cuda build on a GPU machine.
+        Ok(_) => {
+            assert!(specula_engine::target::check_device(specula_server::Device::Cuda).is_ok())
+        }
+        Err(e) => {
+            let msg = e.to_string();
+            assert!(msg.contains("--device cuda"), "{msg}");
+            assert!(msg.contains("--device cpu"), "{msg}");
+        }
+    }
 }

@@ -332,6 +332,7 @@ fn main() -> Result<()> {
         max_sequences: 4,
         max_positions: 2048,
         max_rows: 64,
+        ..GpuOptions::default()
     };
     // Every scenario under each attention kernel: the launch-size choice (Auto) runs split-key
     // attention for small launches and whole-row attention for large ones, so forcing each covers
