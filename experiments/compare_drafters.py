@@ -41,12 +41,24 @@ def main():
         sys.exit("the directories differ in target, prompts or generation settings; not comparable")
     agg = defaultdict(lambda: [0, 0, 0.0, 0])  # accepted, steps, draft_ms, prompts
     drafters, datasets, settings = [], [], set()
-    for _, rows, _ in loaded:
+
+    def name_of(s):
+        return s["drafter"].split(":")[0] if s["drafter"].startswith("draft_model:") else s["drafter"]
+
+    # A drafter measured in several directories (e.g. two trainings of the same drafter) gets one column per
+    # directory, labelled with the directory's name: pooling them would average two different models.
+    dirs_of = defaultdict(set)
+    for d, (_, rows, _) in zip(dirs, loaded):
+        for r in rows:
+            dirs_of[name_of(r["setting"])].add(d)
+    for src, (_, rows, _) in zip(dirs, loaded):
         for r in rows:
             s = r["setting"]
             if r["acceptance_mode"] != "natural":
                 continue
-            d = s["drafter"].split(":")[0] if s["drafter"].startswith("draft_model:") else s["drafter"]
+            d = name_of(s)
+            if len(dirs_of[d]) > 1:
+                d = f"{d} ({src.rstrip('/').split('/')[-1]})"
             if d not in drafters:
                 drafters.append(d)
             if r["dataset"] not in datasets:
