@@ -144,8 +144,10 @@ fn publish_gauges(scheduler: &Scheduler<'_>, metrics: &Arc<Mutex<Metrics>>) {
     let mut m = metrics.lock().unwrap_or_else(|p| p.into_inner());
     m.running = scheduler.num_running();
     m.waiting = scheduler.num_waiting();
-    m.fallbacks
-        .clone_from(&scheduler.totals().decode_backend_fallbacks);
+    let totals = scheduler.totals();
+    m.fallbacks.clone_from(&totals.decode_backend_fallbacks);
+    m.draft_seconds = totals.draft_time.as_secs_f64();
+    m.verify_seconds = totals.verify_time.as_secs_f64();
 }
 
 fn admit(scheduler: &mut Scheduler<'_>, clients: &mut HashMap<RequestId, Client>, s: Submission) {

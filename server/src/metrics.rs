@@ -71,6 +71,9 @@ pub struct Metrics {
     pub ttft: Histogram,
     pub inter_token_latency: Histogram,
     pub fallbacks: BTreeMap<String, u64>,
+    /// Wall time the scheduler spent drafting and verifying (target forward + acceptance rule), seconds.
+    pub draft_seconds: f64,
+    pub verify_seconds: f64,
     pub requests_finished: BTreeMap<String, u64>,
     pub requests_cancelled: u64,
     pub requests_rejected_queue_full: u64,
@@ -92,6 +95,8 @@ impl Metrics {
             ttft: Histogram::new(TTFT_BUCKETS),
             inter_token_latency: Histogram::new(ITL_BUCKETS),
             fallbacks: BTreeMap::new(),
+            draft_seconds: 0.0,
+            verify_seconds: 0.0,
             requests_finished: BTreeMap::new(),
             requests_cancelled: 0,
             requests_rejected_queue_full: 0,
@@ -181,6 +186,23 @@ impl Metrics {
             let _ = writeln!(
                 out,
                 "specula_request_success_total{{model_name=\"{m}\",finished_reason=\"{reason}\"}} {v}"
+            );
+        }
+        for (name, help, v) in [
+            (
+                "specula_draft_seconds_total",
+                "Wall time spent drafting (all drafter proposals).",
+                self.draft_seconds,
+            ),
+            (
+                "specula_verify_seconds_total",
+                "Wall time spent verifying (target forward over the draft blocks and the acceptance rule).",
+                self.verify_seconds,
+            ),
+        ] {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{model_name=\"{m}\"}} {v}"
             );
         }
         let _ = writeln!(

@@ -245,6 +245,13 @@ async fn greedy_is_identical_with_and_without_speculation_and_metrics_match_stat
         sums.map(|x| x as f64),
         "/metrics == sum of per-request stats"
     );
+    // Drafting and verifying are timed apart (the seed's table separates draft from verify cost).
+    let draft_s = metric(&spec.base, "specula_draft_seconds_total").await;
+    let verify_s = metric(&spec.base, "specula_verify_seconds_total").await;
+    assert!(
+        draft_s > 0.0 && verify_s > 0.0,
+        "draft {draft_s} s, verify {verify_s} s"
+    );
     let per_pos = metric(
         &spec.base,
         "specula_spec_decode_num_accepted_tokens_per_pos_total",
