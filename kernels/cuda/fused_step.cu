@@ -60,7 +60,8 @@
 // count, [32] generation). Each CTA: __syncthreads; thread 0 reads the generation, __threadfence (its
 // CTA's writes before the arrival), atomicAdd on the count; the last to arrive resets the count to 0,
 // fences, and bumps the generation; the others spin on a volatile read of the generation with
-// __nanosleep backoff; then __threadfence (acquire) and __syncthreads. The count is back to 0 after every
+// __nanosleep backoff (and trap after FUSED_BARRIER_SPIN_LIMIT polls); then __threadfence (acquire) and
+// __syncthreads. The count is back to 0 after every
 // barrier, so it is 0 between launches and graph replays need no reset (the generation only has to
 // change, wrap-around is fine); the host zeroes both words once at allocation.
 //
@@ -150,7 +151,11 @@ __device__ __forceinline__ void fused_prefetch_l2(const void*, unsigned int) {}
 #endif
 
 // ---------------------------------------------------------------------------------------------------
-// Grid barrier (see the top comment). `bar` points at the zero-initialised barrier words.
+// Grid barrier (see the top comment). `bar` points at the zero-initialised barrier words. Watchdog: a CTA
+// that polls more than FUSED_BARRIER_SPIN_LIMIT times (each poll >= 128 ns of backoff plus an L2 round
+// trip: seconds in all, where a whole step takes ~1 ms) traps, so a broken barrier or a grid that is not
+// co-resident fails the launch with an error instead of hanging the process.
+#define FUSED_BARRIER_SPIN_LIMIT (1u << 24)
 __device__ __forceinline__ void fused_grid_barrier(unsigned int* bar) {
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -163,10 +168,11 @@ __device__ __forceinline__ void fused_grid_barrier(unsigned int* bar) {
             __threadfence();
             atomicAdd(bar + 32, 1u);
         } else {
-            unsigned int ns = 8;
+            unsigned int ns = 8, spins = 0;
             while (*gen_p == gen) {
                 __nanosleep(ns);
                 if (ns < 128) ns *= 2;
+                if (++spins == FUSED_BARRIER_SPIN_LIMIT) __trap();
             }
         }
         __threadfence();
@@ -265,8 +271,9 @@ __device__ __noinline__ void fused_gemm_phase(const FusedGemm& g, int prefetch_b
 // ---------------------------------------------------------------------------------------------------
 // RMSNorm rows -> bf16 (rms_norm_bf16's body). With `embed`, row r of x is first set to the embedding of
 // tokens[r] (layer 0; embed_rows' arithmetic), by the same CTA that then normalises it.
-__device__ __noinline__ void fused_norm_phase(float* x, const int* src_rows, int nrows, const float* weight, unsigned short* out,
-                                 int dim, float eps, const unsigned short* embed, const int* tokens) {
+__device__ __noinline__ void fused_norm_phase(float* x, const int* src_rows, int nrows, const float* weight,
+                                              unsigned short* out, int dim, float eps, const unsigned short* embed,
+                                              const int* tokens) {
     for (int r = blockIdx.x; r < nrows; r += gridDim.x) {
         if (embed) {
             const unsigned short* src = embed + (size_t)tokens[r] * dim;

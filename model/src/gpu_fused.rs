@@ -240,7 +240,7 @@ pub struct FusedInfo {
 
 /// The compiled kernel and its device-side parameters for one `GpuTransformer`.
 struct FusedStep {
-    _module: Arc<CudaModule>,
+    module: Arc<CudaModule>,
     func: CudaFunction,
     /// `FusedParams` (device addresses and sizes), read by every CTA at kernel start.
     params: CudaSlice<u64>,
@@ -379,16 +379,27 @@ fn layer_words(l: &GpuLayer, s: &CudaStream) -> [u64; LAYER_WORDS] {
 }
 
 impl FusedStep {
+    /// Compiles fused_step.cu (NVRTC, seconds) and sets the kernel up for `t` with `opts`.
     fn build(t: &GpuTransformer, opts: &FusedOptions) -> Result<FusedStep, ModelError> {
-        let c = &t.config;
         if !t.paired_gate_up {
             return Err(ModelError::Gpu(
                 "the fused step needs the gate/up rows paired (intermediate_size % 8 == 0)".into(),
             ));
         }
-        let s = t.device.stream.clone();
         let module = t.device.load_source("fused_step.cu").map_err(gpu)?;
         let func = module.load_function("fused_forward").map_err(gpu)?;
+        Self::configure(t, opts, module, func)
+    }
+
+    /// The launch shape and the device-side parameters for `opts`, on an already compiled kernel.
+    fn configure(
+        t: &GpuTransformer,
+        opts: &FusedOptions,
+        module: Arc<CudaModule>,
+        func: CudaFunction,
+    ) -> Result<FusedStep, ModelError> {
+        let c = &t.config;
+        let s = t.device.stream.clone();
         let smem = t.attention_split_smem.max(GEMM_SCRATCH_BYTES);
         func.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -444,10 +455,12 @@ impl FusedStep {
             // The same expression as the standard step's attention scale (bit-identical).
             scale: 1.0 / (c.head_dim as f32).sqrt(),
         };
-        let params = s.clone_htod(&p.words()).map_err(gpu)?;
+        let words = p.words();
+        debug_assert_eq!(words.len(), PARAMS_WORDS);
+        let params = s.clone_htod(&words).map_err(gpu)?;
         s.synchronize().map_err(gpu)?;
         Ok(FusedStep {
-            _module: module,
+            module,
             func,
             params,
             _layers: layers,
@@ -483,14 +496,22 @@ impl GpuTransformer {
         self.fused.backend
     }
 
-    /// Changes the fused kernel's launch settings (rebuilds it if built) and drops its captured graphs.
+    /// Changes the fused kernel's launch settings (no recompilation) and drops its captured graphs.
     pub fn set_fused_options(&mut self, opts: FusedOptions) -> Result<(), ModelError> {
-        if self.fused.step.is_some() {
-            let step = FusedStep::build(self, &opts)?;
-            self.fused.step = Some(step);
+        // Fused graphs point at the old parameters (freed in stream order below).
+        self.graphs.retain(|key, _| !key.4);
+        if let Some(old) = self.fused.step.take() {
+            let configured =
+                FusedStep::configure(self, &opts, old.module.clone(), old.func.clone());
+            match configured {
+                Ok(step) => self.fused.step = Some(step),
+                Err(e) => {
+                    self.fused.step = Some(old);
+                    return Err(e);
+                }
+            }
         }
         self.fused.opts = opts;
-        self.graphs.retain(|key, _| !key.4);
         Ok(())
     }
 
