@@ -391,22 +391,27 @@ extern "C" __global__ void rope_kv_append(float* qkv, int row_stride, int n_head
 // Dynamic shared memory: (G * head_dim + G * max_keys + max_keys + 1024 * G + 8) floats, sized at
 // launch from the model's max_keys, so the launch does not depend on the current context length.
 // Requires G <= 8, head_dim a multiple of 32 and at most 256. Grid: (rows, n_kv_heads), block 256.
+// The body is a device function of the (row, KV head) work item and the dynamic shared memory, so the
+// persistent fused kernel (fused_step.cu) runs the same arithmetic with PDL = false; a caller that runs
+// several items in a loop must __syncthreads() between them (the shared buffers are reused).
 #define SPECULA_ATTN_THREADS 256
-extern "C" __global__ void __launch_bounds__(SPECULA_ATTN_THREADS)
-attention_gqa(const float* qkv, int row_stride, int n_heads, int n_kv_heads, int head_dim,
-              const int* positions, const int* block_table_of_row, int max_blocks, const int* block_tables,
-              int block_size, const float* k_cache, const float* v_cache, unsigned short* out, float scale,
-              int max_keys) {
-    SPECULA_PDL_WAIT();
-    SPECULA_PDL_LAUNCH();
-    extern __shared__ __align__(16) float smem[];
+template <bool PDL>
+__device__ __forceinline__ void attention_gqa_body(const float* qkv, int row_stride, int n_heads, int n_kv_heads,
+                                                   int head_dim, const int* positions, const int* block_table_of_row,
+                                                   int max_blocks, const int* block_tables, int block_size,
+                                                   const float* k_cache, const float* v_cache, unsigned short* out,
+                                                   float scale, int max_keys, int row, int kvh, float* smem) {
+    if (PDL) {
+        SPECULA_PDL_WAIT();
+        SPECULA_PDL_LAUNCH();
+    }
     const int G = n_heads / n_kv_heads;
     float* q_s = smem;                       // [G][head_dim], pre-scaled
     float* p_s = q_s + G * head_dim;         // [G][max_keys] scores, then probabilities
     int* slot_s = (int*)(p_s + G * max_keys);  // [max_keys]
     float* part_s = (float*)(slot_s + max_keys);  // [1024 / head_dim][G][head_dim]
     float* inv_s = part_s + 1024 * G;  // [G]
-    const int row = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x;
+    const int tid = threadIdx.x;
     const int kv_dim = n_kv_heads * head_dim;
     const float* q = qkv + (size_t)row * row_stride + (size_t)kvh * G * head_dim;
     for (int i = tid; i < G * head_dim; i += SPECULA_ATTN_THREADS) q_s[i] = q[i] * scale;
@@ -483,6 +488,17 @@ attention_gqa(const float* qkv, int row_stride, int n_heads, int n_kv_heads, int
         for (int pp = 0; pp < lanes; ++pp) s += part_s[(pp * G + g) * head_dim + cc];
         out[(size_t)row * n_heads * head_dim + (size_t)(kvh * G + g) * head_dim + cc] = f32_to_bf16(s * inv_s[g]);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(SPECULA_ATTN_THREADS)
+attention_gqa(const float* qkv, int row_stride, int n_heads, int n_kv_heads, int head_dim,
+              const int* positions, const int* block_table_of_row, int max_blocks, const int* block_tables,
+              int block_size, const float* k_cache, const float* v_cache, unsigned short* out, float scale,
+              int max_keys) {
+    extern __shared__ __align__(16) float smem[];
+    attention_gqa_body<true>(qkv, row_stride, n_heads, n_kv_heads, head_dim, positions, block_table_of_row,
+                             max_blocks, block_tables, block_size, k_cache, v_cache, out, scale, max_keys,
+                             blockIdx.x, blockIdx.y, smem);
 }
 
 // out[row, i] = silu(gate) * up as bf16 (the down projection's input).

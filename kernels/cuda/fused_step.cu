@@ -7,9 +7,11 @@
 // (GpuTransformer's logits buffer, [n_logits, vocab] f32), and the existing argmax_rows / verify_drafts
 // kernels run right after it on the same stream (in the same CUDA graph as the step when captured).
 //
-// Launch: grid = number of SMs (or fewer), block 256, one CTA per SM, all CTAs co-resident (launched
+// Launch: block 256; grid = number of SMs (fused_forward, up to 255 registers per thread) or twice that
+// (fused_forward_x2, at most 128 registers: two CTAs per SM), or fewer; all CTAs co-resident (launched
 // cooperatively; the host checks occupancy first, model/src/gpu_fused.rs). Dynamic shared memory: the
-// larger of attention_split's buffer and the GEMM tile's reduction scratch (8 * 64 * 16 floats).
+// largest of attention_split's buffer, attention_gqa's (when the standard step may use whole-row
+// attention; sized by the context limit) and the GEMM tile's reduction scratch (8 * 64 * 16 floats).
 //
 // Phase plan. R = padded step rows (<= 128), L = logits rows. Each phase is a grid-strided loop over its
 // work items (item i runs on CTA i % grid), and phases are separated by a grid barrier (below). Per layer:
@@ -23,7 +25,8 @@
 //   C     | R x (heads + 2 kv heads),      | qkv (+ bias; q/k norm weights)     | qkv q heads (biased, normed,
 //         | two per CTA (128 threads each) | positions, slots                   | rotated), k/v cache slots
 //   D     | sum over rows of kv heads x    | qkv q heads, k/v cache (every key  | act16 [R, q_dim] bf16,
-//         | key slices (attention_split)   | <= position of the row's sequence) | slice partials/counters
+//         | key slices (attention_split),  | <= position of the row's sequence) | slice partials/counters
+//         | or R x kv heads (attention_gqa)|                                    |
 //   E     | ceil(hidden/16) x ceil(R/64)   | act16 (attention), wo, x, bo       | x += O proj (+ bo)
 //   F     | R rows                         | x, ffn norm weight                 | act16 [R, hidden] bf16
 //   G     | ceil(2 ffn/16) x ceil(R/64)    | act16, paired gate/up              | ffn_act16 [R, ffn] bf16
@@ -50,11 +53,14 @@
 //
 // Determinism: every output element has exactly one owner (one tile, one row, one (row, head) item), no
 // split-K and no atomics on data; the attention slice count is a function of the row's key count only and
-// its combine runs in slice order. So a row's logits do not depend on the grid size, on which CTA runs an
-// item, or on the other rows of the step (batch-invariant within the fused path); the GEMM tile's K order
+// its combine runs in slice order. So a row's logits do not depend on the grid size or on which CTA runs
+// an item. They depend on the other rows of the step only through the attention body, which follows the
+// standard step's launch-size rule (whole-row for large launches); with split-key attention forced
+// (StepAblation::attention = Split) the fused path is batch-invariant across shapes. The GEMM tile's K order
 // and the 8-warp reduction order are those of the standard path's skinny kernel (per row independent of
-// the row bucket), so for R <= 64 with an untuned Gemm (skinny, no split-K) and split-key attention the
-// standard step should give bit-identical logits (gpu_fused_check reports it; not yet run on a GPU).
+// the row bucket) and the attention bodies are the standard kernels' own, so for R <= 64 with an untuned
+// Gemm (skinny everywhere, no split-K; above 64 rows the standard step uses cuBLAS) the standard step
+// should give bit-identical logits (gpu_fused_check reports it; not yet run on a GPU).
 //
 // Grid barrier: generation counting on two words of `barrier` in their own 128-byte lines ([0] arrival
 // count, [32] generation). Each CTA: __syncthreads; thread 0 reads the generation, __threadfence (its
@@ -135,10 +141,14 @@ struct FusedParams {
 };
 static_assert(sizeof(FusedParams) == 19 * 8 + 12 * 4, "FusedParams must match gpu_fused.rs PARAMS_WORDS");
 
-// Launch flags (timing only; gpu_fused.rs FusedMode): skip all work and prefetches, keep the barriers
-// (their cost alone); skip attention (its cost by difference).
+// Launch flags. Timing only (gpu_fused.rs FusedMode): skip all work and prefetches, keep the barriers
+// (their cost alone); skip attention (its cost by difference). FUSED_WHOLE_ROW_ATTENTION: phase D runs
+// attention_gqa's body, one item per (row, KV head) over every key, instead of attention_split's; the
+// host sets it from the launch shape with the standard step's rule (GpuTransformer::
+// whole_row_attention_for), so both backends use the same attention arithmetic for a shape.
 #define FUSED_SKIP_WORK 1
 #define FUSED_SKIP_ATTENTION 2
+#define FUSED_WHOLE_ROW_ATTENTION 4
 
 // ---------------------------------------------------------------------------------------------------
 // Architecture-specific part: L2 prefetch of `bytes` bytes at `p` (16-byte aligned, multiple of 16).
@@ -359,9 +369,21 @@ __device__ __noinline__ void fused_rope_phase(const FusedParams& p, const FusedL
 // ---------------------------------------------------------------------------------------------------
 // Phase D: attention_split's body over the (row, KV head, key slice) items that exist: a row has
 // attn_num_splits(its key count) slices, so the items are enumerated row by row from the positions
-// (no empty items, unlike the standalone launch's fixed grid).
-__device__ __noinline__ void fused_attention_phase(const FusedParams& p, const FusedLayer& L, int rows, float* smem) {
+// (no empty items, unlike the standalone launch's fixed grid). With `whole_row`, attention_gqa's body
+// over (row, KV head) items instead (dynamic shared memory sized for max_blocks * block_size keys).
+__device__ __noinline__ void fused_attention_phase(const FusedParams& p, const FusedLayer& L, int rows, float* smem,
+                                                   bool whole_row) {
     const int nkv = p.n_kv_heads;
+    if (whole_row) {
+        const int width = (p.n_heads + 2 * nkv) * p.head_dim;
+        for (int item = blockIdx.x; item < rows * nkv; item += gridDim.x) {
+            attention_gqa_body<false>(p.qkv, width, p.n_heads, nkv, p.head_dim, p.positions, p.row_table,
+                                      p.max_blocks, p.block_tables, p.block_size, L.k_cache, L.v_cache, p.act16,
+                                      p.scale, p.max_blocks * p.block_size, item / nkv, item % nkv, smem);
+            __syncthreads();  // shared buffers are reused by the next item
+        }
+        return;
+    }
     int total = 0;
     for (int r = 0; r < rows; ++r) total += nkv * attn_num_splits(p.positions[r] + 1);
     const int width = (p.n_heads + 2 * nkv) * p.head_dim;
@@ -386,8 +408,9 @@ __device__ __noinline__ void fused_attention_phase(const FusedParams& p, const F
 }
 
 // ---------------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(FUSED_THREADS)
-fused_forward(const FusedParams* __restrict__ params, int rows, int n_logits, int flags) {
+// The kernel body; the entry points below differ only in their register budget (CTAs per SM).
+__device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict__ params, int rows, int n_logits,
+                                                   int flags) {
     extern __shared__ __align__(16) float fused_smem[];
     __shared__ FusedParams P;
     __shared__ FusedLayer L;
@@ -424,7 +447,9 @@ fused_forward(const FusedParams* __restrict__ params, int rows, int n_logits, in
         if (work) fused_rope_phase(p, L, rows);
         fused_grid_barrier(p.barrier);
         // D: attention.
-        if (work && !(flags & FUSED_SKIP_ATTENTION)) fused_attention_phase(p, L, rows, fused_smem);
+        if (work && !(flags & FUSED_SKIP_ATTENTION)) {
+            fused_attention_phase(p, L, rows, fused_smem, (flags & FUSED_WHOLE_ROW_ATTENTION) != 0);
+        }
         fused_grid_barrier(p.barrier);
         // E: O projection + residual (+ o bias).
         if (work) fused_gemm_phase(o, pf, fused_smem);
@@ -455,4 +480,17 @@ fused_forward(const FusedParams* __restrict__ params, int rows, int n_logits, in
     fused_grid_barrier(p.barrier);
     const FusedGemm head = {p.lm_head, p.act16, p.logits, 0, 0, p.vocab, h, n_logits, 0};
     if (work) fused_gemm_phase(head, pf, fused_smem);
+}
+
+// One CTA per SM: up to 255 registers per thread.
+extern "C" __global__ void __launch_bounds__(FUSED_THREADS, 1)
+fused_forward(const FusedParams* __restrict__ params, int rows, int n_logits, int flags) {
+    fused_forward_body(params, rows, n_logits, flags);
+}
+
+// Two CTAs per SM (16 warps to hide the latency-bound phases: norms, RoPE, attention), at most 128
+// registers per thread. Which is faster is for the device to say (gpu_fused_check --bench).
+extern "C" __global__ void __launch_bounds__(FUSED_THREADS, 2)
+fused_forward_x2(const FusedParams* __restrict__ params, int rows, int n_logits, int flags) {
+    fused_forward_body(params, rows, n_logits, flags);
 }

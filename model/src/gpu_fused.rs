@@ -195,6 +195,7 @@ pub enum FusedMode {
 impl FusedMode {
     /// fused_step.cu's launch flags (FUSED_SKIP_WORK = 1, FUSED_SKIP_ATTENTION = 2).
     fn flags(self) -> i32 {
+        // FUSED_WHOLE_ROW_ATTENTION = 4 is added per launch shape by encode_fused.
         match self {
             FusedMode::Full => 0,
             FusedMode::BarriersOnly => 1,
@@ -206,7 +207,10 @@ impl FusedMode {
 /// Launch settings of the fused kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FusedOptions {
-    /// CTAs (None: one per SM). Fewer than the SMs is allowed (tests of the work distribution).
+    /// 1: `fused_forward` (up to 255 registers per thread, one CTA per SM); 2: `fused_forward_x2`
+    /// (at most 128 registers, two CTAs per SM: more warps for the latency-bound phases).
+    pub ctas_per_sm: u32,
+    /// CTAs (None: `ctas_per_sm` per SM). Fewer is allowed (tests of the work distribution).
     pub grid: Option<u32>,
     /// L2 prefetch lead per CTA in bytes (0: no prefetch).
     pub prefetch_bytes: usize,
@@ -219,6 +223,7 @@ pub struct FusedOptions {
 impl Default for FusedOptions {
     fn default() -> Self {
         FusedOptions {
+            ctas_per_sm: 1,
             grid: None,
             prefetch_bytes: DEFAULT_PREFETCH_BYTES,
             cooperative: true,
@@ -230,17 +235,23 @@ impl Default for FusedOptions {
 /// How the fused kernel was set up on this device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FusedInfo {
+    /// The entry point: `fused_forward` or `fused_forward_x2`.
+    pub kernel: &'static str,
     pub grid: u32,
     pub threads: u32,
     pub smem_bytes: u32,
     /// CTAs of the kernel that fit on one SM (occupancy calculator).
     pub blocks_per_sm: u32,
     pub num_sms: u32,
+    /// Whether the dynamic shared memory holds attention_gqa's buffer, so that launches the standard
+    /// step gives whole-row attention get it in the fused kernel too.
+    pub whole_row_attention: bool,
 }
 
 /// The compiled kernel and its device-side parameters for one `GpuTransformer`.
 struct FusedStep {
     module: Arc<CudaModule>,
+    /// The entry point for `FusedOptions::ctas_per_sm`.
     func: CudaFunction,
     /// `FusedParams` (device addresses and sizes), read by every CTA at kernel start.
     params: CudaSlice<u64>,
@@ -353,6 +364,17 @@ impl FusedParamsHost {
     }
 }
 
+/// The entry point compiled for `ctas_per_sm` CTAs per SM (its register budget).
+fn kernel_for(ctas_per_sm: u32) -> Result<&'static str, ModelError> {
+    match ctas_per_sm {
+        1 => Ok("fused_forward"),
+        2 => Ok("fused_forward_x2"),
+        n => Err(ModelError::InvalidRequest(format!(
+            "fused step: {n} CTAs per SM (the kernel is compiled for 1 or 2)"
+        ))),
+    }
+}
+
 fn addr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
     // Event tracking is off in GpuDevice, so taking the address records nothing.
     let (p, _sync) = s.device_ptr(stream);
@@ -387,8 +409,7 @@ impl FusedStep {
             ));
         }
         let module = t.device.load_source("fused_step.cu").map_err(gpu)?;
-        let func = module.load_function("fused_forward").map_err(gpu)?;
-        Self::configure(t, opts, module, func)
+        Self::configure(t, opts, module)
     }
 
     /// The launch shape and the device-side parameters for `opts`, on an already compiled kernel.
@@ -396,11 +417,17 @@ impl FusedStep {
         t: &GpuTransformer,
         opts: &FusedOptions,
         module: Arc<CudaModule>,
-        func: CudaFunction,
     ) -> Result<FusedStep, ModelError> {
         let c = &t.config;
         let s = t.device.stream.clone();
-        let smem = t.attention_split_smem.max(GEMM_SCRATCH_BYTES);
+        let kernel = kernel_for(opts.ctas_per_sm)?;
+        let func = module.load_function(kernel).map_err(gpu)?;
+        // attention_gqa's buffer (context-sized) where the standard step can use whole-row attention.
+        let whole_row = t.whole_row_attention_available();
+        let smem = t
+            .attention_split_smem
+            .max(GEMM_SCRATCH_BYTES)
+            .max(if whole_row { t.attention_smem } else { 0 });
         func.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,
@@ -410,7 +437,8 @@ impl FusedStep {
         let blocks_per_sm = func
             .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None)
             .map_err(gpu)?;
-        let grid = co_resident_grid(&func, opts.grid, num_sms, THREADS, smem).map_err(|e| {
+        let requested = Some(opts.grid.unwrap_or(opts.ctas_per_sm * num_sms));
+        let grid = co_resident_grid(&func, requested, num_sms, THREADS, smem).map_err(|e| {
             ModelError::Gpu(format!(
                 "fused step: the grid does not fit on the device at once: {e}"
             ))
@@ -466,11 +494,13 @@ impl FusedStep {
             _layers: layers,
             _barrier: barrier,
             info: FusedInfo {
+                kernel,
                 grid,
                 threads: THREADS,
                 smem_bytes: smem as u32,
                 blocks_per_sm,
                 num_sms,
+                whole_row_attention: whole_row,
             },
         })
     }
@@ -501,8 +531,7 @@ impl GpuTransformer {
         // Fused graphs point at the old parameters (freed in stream order below).
         self.graphs.retain(|key, _| !key.4);
         if let Some(old) = self.fused.step.take() {
-            let configured =
-                FusedStep::configure(self, &opts, old.module.clone(), old.func.clone());
+            let configured = FusedStep::configure(self, &opts, old.module.clone());
             match configured {
                 Ok(step) => self.fused.step = Some(step),
                 Err(e) => {
@@ -612,11 +641,15 @@ impl GpuTransformer {
         }
         let stream = self.device.stream.clone();
         let s = &*stream;
+        // The standard step's attention choice for this launch shape (whole-row or split-key), so
+        // both backends run the same attention arithmetic and a captured graph keeps its choice.
+        let whole_row = step.info.whole_row_attention && self.whole_row_attention_for(rows);
+        let flags = self.fused.opts.mode.flags() | if whole_row { 4 } else { 0 };
         let args = [
             KernelArg::buf(&step.params, s),
             KernelArg::i32(rows as i32),
             KernelArg::i32(n_logits as i32),
-            KernelArg::i32(self.fused.opts.mode.flags()),
+            KernelArg::i32(flags),
         ];
         let cfg = LaunchConfig {
             grid_dim: (step.info.grid, 1, 1),
@@ -781,6 +814,15 @@ mod tests {
         for r in &all {
             assert!(!r.to_string().is_empty());
         }
+    }
+
+    #[test]
+    fn each_ctas_per_sm_has_an_entry_point() {
+        assert_eq!(kernel_for(1).unwrap(), "fused_forward");
+        assert_eq!(kernel_for(2).unwrap(), "fused_forward_x2");
+        assert!(kernel_for(0).is_err() && kernel_for(3).is_err());
+        let exported = specula_kernels::cuda::FUSED_KERNELS;
+        assert!(exported.contains(&"fused_forward") && exported.contains(&"fused_forward_x2"));
     }
 
     #[test]

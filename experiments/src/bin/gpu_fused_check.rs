@@ -16,15 +16,18 @@
 //! sequences (prompts of 5..1400 tokens: prefill-chunk fallbacks), a mixed 1/3/8/16-token step (direct
 //! launch), verify steps of 3 x 8 tokens (graph bucket 4, one padded sequence), 8 x 16 tokens (128
 //! rows: two 64-row GEMM chunks), 5 x 4 tokens (bucket 8) and 8 x 1 tokens, each with a seeded rollback.
-//! Variants per model: the default fused launch (one CTA per SM, L2 prefetch, cooperative) against the
-//! standard step with its launch-size attention choice; and a 5-CTA fused grid without prefetch (many
-//! work items per CTA) against the standard step with split-key attention forced — for steps of <= 64
-//! rows this pair should be bit-identical (same GEMM tile, same attention body, untuned GEMMs); the
-//! embedded target also runs a non-cooperative launch.
+//! Variants per model (the fused kernel follows the standard step's attention choice per launch shape,
+//! which the variant forces or leaves to the launch size): the default fused launch (one CTA per SM,
+//! L2 prefetch, cooperative) with the launch-size attention choice; a 5-CTA fused grid without
+//! prefetch (many work items per CTA) with split-key attention; the two-CTAs-per-SM kernel with
+//! whole-row attention; the embedded target also runs a non-cooperative launch. With untuned GEMMs,
+//! steps of <= 64 rows should be bit-identical between fused and standard (same GEMM tile, same
+//! attention body); above 64 rows the standard step runs cuBLAS.
 //!
 //! `--bench`: llama3.2-1b with seeded random weights; device time per graph replay (CUDA events, the
 //! mean of 10 back-to-back replays per sample) of the standard step (GEMMs tuned as in `specula bench
-//! step`) and of the fused step and its timing variants (no prefetch, barriers only, no attention) at
+//! step`) and of the fused step and its variants (two CTAs per SM, no prefetch, barriers only, no
+//! attention) at
 //! 1/2/4/8 requests x 1/8 tokens, at `--context` cached positions; medians and P90 in a table, plus the
 //! fused-vs-standard logits difference of each setting.
 //!
@@ -417,8 +420,8 @@ fn check_variants(
     gpu.set_step_backend(StepBackend::LatencySpecialized)?;
     if let Some(i) = gpu.fused_info() {
         println!(
-            "{name}: fused kernel grid {} x {} threads, {} B dynamic shared memory, {} CTA(s) per SM fit, {} SMs",
-            i.grid, i.threads, i.smem_bytes, i.blocks_per_sm, i.num_sms
+            "{name}: {} grid {} x {} threads, {} B dynamic shared memory, {} CTA(s) per SM fit, {} SMs, whole-row attention {}",
+            i.kernel, i.grid, i.threads, i.smem_bytes, i.blocks_per_sm, i.num_sms, i.whole_row_attention
         );
     }
     gpu.set_step_backend(StepBackend::Standard)?;
@@ -436,6 +439,14 @@ fn check_variants(
                 ..Default::default()
             },
             AttentionKernel::Split,
+        ),
+        (
+            "fused 2 CTAs per SM / standard WholeRow attention (both)",
+            FusedOptions {
+                ctas_per_sm: 2,
+                ..Default::default()
+            },
+            AttentionKernel::WholeRow,
         ),
     ];
     if non_cooperative {
@@ -455,6 +466,12 @@ fn check_variants(
             attention,
             ..Default::default()
         });
+        if let Some(i) = gpu.fused_info() {
+            println!(
+                "  ({}, grid {}, {} B shared)",
+                i.kernel, i.grid, i.smem_bytes
+            );
+        }
         check_model(tally, cpu, gpu, quick)?;
     }
     println!(
@@ -611,6 +628,14 @@ fn bench(args: BenchArgs) -> Result<()> {
             name: "fused",
             backend: StepBackend::LatencySpecialized,
             opts: fused,
+        },
+        Variant {
+            name: "fused, 2 CTAs/SM",
+            backend: StepBackend::LatencySpecialized,
+            opts: FusedOptions {
+                ctas_per_sm: 2,
+                ..fused
+            },
         },
         Variant {
             name: "fused, no L2 prefetch",

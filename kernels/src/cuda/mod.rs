@@ -50,7 +50,7 @@ pub const EXPORTED_KERNELS: &[(&str, &[&str])] = &[
 ];
 
 /// The kernels `fused_step.cu` must export (its program also holds every kernel of decoder.cu).
-pub const FUSED_KERNELS: &[&str] = &["fused_forward"];
+pub const FUSED_KERNELS: &[&str] = &["fused_forward", "fused_forward_x2"];
 
 /// The kernels `decoder.cu` must export (checked at load so a rename fails at start, not mid-step).
 pub const DECODER_KERNELS: &[&str] = &[
