@@ -422,12 +422,28 @@ impl FusedStep {
         let s = t.device.stream.clone();
         let kernel = kernel_for(opts.ctas_per_sm)?;
         let func = module.load_function(kernel).map_err(gpu)?;
-        // attention_gqa's buffer (context-sized) where the standard step can use whole-row attention.
-        let whole_row = t.whole_row_attention_available();
+        let static_smem = func.shared_size_bytes().map_err(gpu)? as usize;
+        let smem_limit = t
+            .device
+            .ctx
+            .attribute(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .map_err(gpu)? as usize;
+        // attention_gqa's buffer (context-sized) where the standard step can use whole-row attention
+        // and it fits beside the kernel's static shared memory; otherwise the fused step always runs
+        // split-key attention (then it differs from the standard step for whole-row launch shapes).
+        let whole_row =
+            t.whole_row_attention_available() && t.attention_smem + static_smem <= smem_limit;
         let smem = t
             .attention_split_smem
             .max(GEMM_SCRATCH_BYTES)
             .max(if whole_row { t.attention_smem } else { 0 });
+        if smem + static_smem > smem_limit {
+            return Err(ModelError::Gpu(format!(
+                "fused step: {smem} + {static_smem} bytes of shared memory per CTA, over the device's {smem_limit}"
+            )));
+        }
         func.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,

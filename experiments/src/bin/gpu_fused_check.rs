@@ -32,7 +32,8 @@
 //! fused-vs-standard logits difference of each setting.
 //!
 //! cargo build --release -p specula-experiments --features cuda --bin gpu_fused_check
-//! Usage: gpu_fused_check [--quick] | --bench [--context N] [--samples N] [--no-tune] [--seed N]
+//! Usage: gpu_fused_check [--quick] [--no-cooperative]
+//!        gpu_fused_check --bench [--context N] [--samples N] [--no-tune] [--seed N] [--no-cooperative]
 
 use anyhow::{bail, Context, Result};
 use rand::{Rng, SeedableRng};
@@ -416,6 +417,7 @@ fn check_variants(
     gpu: &mut GpuTransformer,
     quick: bool,
     non_cooperative: bool,
+    cooperative: bool,
 ) -> Result<()> {
     gpu.set_step_backend(StepBackend::LatencySpecialized)?;
     if let Some(i) = gpu.fused_info() {
@@ -461,6 +463,11 @@ fn check_variants(
     }
     for (label, opts, attention) in variants {
         println!("{name}, {label}:");
+        // --no-cooperative: every fused launch without the attribute.
+        let opts = FusedOptions {
+            cooperative: opts.cooperative && cooperative,
+            ..opts
+        };
         gpu.set_fused_options(opts)?;
         gpu.set_ablation(StepAblation {
             attention,
@@ -486,7 +493,7 @@ fn check_variants(
     Ok(())
 }
 
-fn check(quick: bool) -> Result<()> {
+fn check(quick: bool, cooperative: bool) -> Result<()> {
     let mut tally = Tally::default();
     let opts = GpuOptions {
         max_sequences: 8,
@@ -501,7 +508,15 @@ fn check(quick: bool) -> Result<()> {
             load(path.as_ref(), WeightDtype::Bf16).with_context(|| format!("loading {path}"))?;
         let mut gpu = GpuTransformer::upload(&loaded.model, opts.clone())?;
         println!("GPU {} ({})", gpu.device.name, gpu.device.arch);
-        check_variants(&mut tally, path, &loaded.model, &mut gpu, quick, i == 0)?;
+        check_variants(
+            &mut tally,
+            path,
+            &loaded.model,
+            &mut gpu,
+            quick,
+            i == 0,
+            cooperative,
+        )?;
     }
     for (name, arch, bias, seed) in [
         (
@@ -527,7 +542,7 @@ fn check(quick: bool) -> Result<()> {
         let config = tiny(arch, bias)?;
         let cpu = random_transformer(config.clone(), seed)?;
         let mut gpu = GpuTransformer::random(config, seed, opts.clone())?;
-        check_variants(&mut tally, name, &cpu, &mut gpu, quick, false)?;
+        check_variants(&mut tally, name, &cpu, &mut gpu, quick, false, cooperative)?;
     }
     println!(
         "worst relative error {:.3e} (limit {LIMIT:.0e}); {} failures",
@@ -544,6 +559,7 @@ fn check(quick: bool) -> Result<()> {
 // --bench
 
 struct BenchArgs {
+    cooperative: bool,
     context: usize,
     samples: usize,
     tune: bool,
@@ -617,7 +633,10 @@ fn bench(args: BenchArgs) -> Result<()> {
         bw,
         floor_ms
     );
-    let fused = FusedOptions::default();
+    let fused = FusedOptions {
+        cooperative: args.cooperative,
+        ..Default::default()
+    };
     let variants = [
         Variant {
             name: "standard",
@@ -774,13 +793,16 @@ fn main() -> Result<()> {
             None => Ok(None),
         }
     };
+    // Fused launches without CU_LAUNCH_ATTRIBUTE_COOPERATIVE (should graph capture refuse it).
+    let cooperative = !args.iter().any(|a| a == "--no-cooperative");
     if args.iter().any(|a| a == "--bench") {
         return bench(BenchArgs {
             context: value("--context")?.unwrap_or(256) as usize,
             samples: value("--samples")?.unwrap_or(30) as usize,
             tune: !args.iter().any(|a| a == "--no-tune"),
             seed: value("--seed")?.unwrap_or(7),
+            cooperative,
         });
     }
-    check(args.iter().any(|a| a == "--quick"))
+    check(args.iter().any(|a| a == "--quick"), cooperative)
 }
