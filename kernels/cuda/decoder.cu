@@ -336,9 +336,11 @@ extern "C" __global__ void rms_norm_bf16(const float* x, const int* src_rows, co
 
 // Rotate-half RoPE of one (x[i], x[i + half]) pair at `position` (angle in double, as on the CPU). Shared
 // by rope_kv_append and the fused kernel (fused_step.cu) so both round identically.
-__device__ __forceinline__ void rope_rotate(float xa, float xb, int position, double inv_freq, float* ra, float* rb) {
+__device__ __forceinline__ void rope_rotate(const float* a, const float* b, int position, double inv_freq, float* ra,
+                                            float* rb) {
     double s, c;
     sincos((double)position * inv_freq, &s, &c);
+    float xa = *a, xb = *b;
     *ra = xa * (float)c - xb * (float)s;
     *rb = xb * (float)c + xa * (float)s;
 }
@@ -368,7 +370,7 @@ extern "C" __global__ void rope_kv_append(float* qkv, int row_stride, int n_head
     }
     float* h = row + y * head_dim;  // q heads, then k heads right after them
     float ra, rb;
-    rope_rotate(h[i], h[i + half], positions[blockIdx.x], inv_freq[i], &ra, &rb);
+    rope_rotate(h + i, h + i + half, positions[blockIdx.x], inv_freq[i], &ra, &rb);
     if (y < n_heads) {
         h[i] = ra;
         h[i + half] = rb;
@@ -573,7 +575,8 @@ template <int NT, int U, bool SWIGLU, bool PDL, bool X_READONLY>
 __device__ __forceinline__ void skinny_linear_tile(const unsigned short* w, const unsigned short* x, float* out, int N,
                                                    int K, int M, int accumulate, int splits, unsigned short* act,
                                                    int tile, int split, float* red) {
-#define SKINNY_RED(ww, m, r) red[((ww) * 8 * NT + (m)) * 16 + (r)]
+    float(*red3)[8 * NT][16] = reinterpret_cast<float(*)[8 * NT][16]>(red);
+#define SKINNY_RED(ww, m, r) red3[ww][m][r]
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int g = lane >> 2, t = lane & 3;
     int n0 = tile * 16;
@@ -612,8 +615,11 @@ __device__ __forceinline__ void skinny_linear_tile(const unsigned short* w, cons
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 int m = nt * 8 + g;
-                const unsigned short* xp = x + (size_t)m * K + koff;
-                b[u][nt] = (ok && m < M) ? (X_READONLY ? load_cached_16(xp) : load_coherent_16(xp)) : zero;
+                if (X_READONLY) {
+                    b[u][nt] = (ok && m < M) ? load_cached_16(x + (size_t)m * K + koff) : zero;
+                } else {
+                    b[u][nt] = (ok && m < M) ? load_coherent_16(x + (size_t)m * K + koff) : zero;
+                }
             }
             int nch = ch + 8 * U;
             bool nok = nch < nchunks;

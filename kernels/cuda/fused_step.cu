@@ -350,7 +350,7 @@ __device__ __noinline__ void fused_rope_phase(const FusedParams& p, const FusedL
                 const int pos = p.positions[row];
                 for (int i = ht; i < hh; i += 128) {
                     float ra, rb;
-                    rope_rotate(hs[half][i], hs[half][i + hh], pos, p.inv_freq[i], &ra, &rb);
+                    rope_rotate(&hs[half][i], &hs[half][i + hh], pos, p.inv_freq[i], &ra, &rb);
                     if (y < p.n_heads) {
                         h[i] = ra;
                         h[i + hh] = rb;

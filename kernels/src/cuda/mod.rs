@@ -13,7 +13,8 @@ pub use launch::{co_resident_grid, launch, launch_with, KernelArg, LaunchOptions
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// Every `.cu` source of the backend, by file name.
 pub const KERNEL_SOURCES: &[(&str, &str)] = &[
@@ -143,8 +144,29 @@ pub fn compile_all(arch: &str) -> Result<Vec<(&'static str, Ptx)>, CudaError> {
         .collect()
 }
 
-/// Compiles one source of [`KERNEL_SOURCES`] by file name for `arch`.
+/// Compiles one source of [`KERNEL_SOURCES`] by file name for `arch`. The PTX is kept for the life
+/// of the process, so later devices and models (the GPU check binaries build several) do not pay
+/// NVRTC again (seconds per source; the fused step's program is the largest).
 pub fn compile_source(file: &str, arch: &str) -> Result<Ptx, CudaError> {
+    static CACHE: OnceLock<Mutex<HashMap<(String, String), Ptx>>> = OnceLock::new();
+    let key = (file.to_string(), arch.to_string());
+    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+    if let Some(ptx) = cache.lock().map_err(|_| poisoned())?.get(&key) {
+        return Ok(ptx.clone());
+    }
+    let ptx = compile_uncached(file, arch)?;
+    cache
+        .lock()
+        .map_err(|_| poisoned())?
+        .insert(key, ptx.clone());
+    Ok(ptx)
+}
+
+fn poisoned() -> CudaError {
+    CudaError::Shape("the PTX cache lock was poisoned by a panic".into())
+}
+
+fn compile_uncached(file: &str, arch: &str) -> Result<Ptx, CudaError> {
     if !nvrtc_available() {
         return Err(CudaError::NoNvrtc);
     }
