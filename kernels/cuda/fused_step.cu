@@ -30,7 +30,8 @@
 //   E     | ceil(hidden/16) x ceil(R/64)   | act16 (attention), wo, x, bo       | x += O proj (+ bo)
 //   F     | R rows                         | x, ffn norm weight                 | act16 [R, hidden] bf16
 //   G     | ceil(2 ffn/16) x ceil(R/64)    | act16, paired gate/up              | ffn_act16 [R, ffn] bf16
-//   H     | ceil(hidden/16) x ceil(R/64)   | ffn_act16, w_down, x               | x += down proj
+//   H     | ceil(hidden/16) x ceil(R/64)   | ffn_act16, w_down, x               | x += down proj (and the
+//         |                                |                                    | tapped-layer copies of x)
 //
 // then Z1: final norm of the L logits rows (x[logit_rows[i]] -> act16 row i), and Z2: LM head tiles,
 // ceil(vocab/16) x ceil(L/64), act16 -> logits [L, vocab] f32 (the standard step's logits buffer).
@@ -247,7 +248,23 @@ __device__ __forceinline__ void fused_tile(int mc, const unsigned short* w, cons
     }
 }
 
-__device__ __noinline__ void fused_gemm_phase(const FusedGemm& g, int prefetch_bytes, float* red) {
+// Tapped layers (drafters that condition on target features, e.g. DSpark): after the down projection of
+// layer l, the residual stream x is copied into every slot s whose layer (byte s of `layers`) is l, at
+// buf + s * stride, [rows, hidden] -- what the standard step's device-to-device copy writes. Each down
+// tile copies the elements it owns, right after writing them.
+struct FusedTaps {
+    float* buf;
+    unsigned long long layers;  // slot s -> layer in bits 8 s .. 8 s + 7
+    int count;                  // slots in use, <= 8
+    int stride;                 // floats per slot
+};
+
+__device__ __noinline__ void fused_gemm_phase(const FusedGemm& g, int prefetch_bytes, float* red,
+                                              const FusedTaps* taps, int layer) {
+    bool tapped = false;
+    if (taps) {
+        for (int s = 0; s < taps->count; ++s) tapped |= ((taps->layers >> (8 * s)) & 0xffull) == (unsigned)layer;
+    }
     const int chunks = (g.M + FUSED_CHUNK_ROWS - 1) / FUSED_CHUNK_ROWS;
     const int items = fused_gemm_items(g);
     const int lead = fused_lead(g, prefetch_bytes);
@@ -271,6 +288,17 @@ __device__ __noinline__ void fused_gemm_phase(const FusedGemm& g, int prefetch_b
                 for (int idx = threadIdx.x; idx < 16 * mc; idx += blockDim.x) {
                     int m = idx / 16, n = tile * 16 + idx % 16;
                     if (n < g.N) out[(size_t)m * g.N + n] += g.bias_after[n];
+                }
+            }
+            if (tapped) {
+                __syncthreads();
+                for (int s = 0; s < taps->count; ++s) {
+                    if (((taps->layers >> (8 * s)) & 0xffull) != (unsigned)layer) continue;
+                    float* dst = taps->buf + (size_t)s * taps->stride + (size_t)m0 * g.N;
+                    for (int idx = threadIdx.x; idx < 16 * mc; idx += blockDim.x) {
+                        int m = idx / 16, n = tile * 16 + idx % 16;
+                        if (n < g.N) dst[(size_t)m * g.N + n] = out[(size_t)m * g.N + n];
+                    }
                 }
             }
         }
@@ -410,7 +438,7 @@ __device__ __noinline__ void fused_attention_phase(const FusedParams& p, const F
 // ---------------------------------------------------------------------------------------------------
 // The kernel body; the entry points below differ only in their register budget (CTAs per SM).
 __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict__ params, int rows, int n_logits,
-                                                   int flags) {
+                                                   int flags, const FusedTaps& taps) {
     extern __shared__ __align__(16) float fused_smem[];
     __shared__ FusedParams P;
     __shared__ FusedLayer L;
@@ -440,7 +468,7 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
         }
         fused_grid_barrier(p.barrier);
         // B: QKV projection.
-        if (work) fused_gemm_phase(qkv, pf, fused_smem);
+        if (work) fused_gemm_phase(qkv, pf, fused_smem, 0, -1);
         fused_prefetch_phase(o, pf);
         fused_grid_barrier(p.barrier);
         // C: bias, q/k norm, RoPE, KV append.
@@ -452,18 +480,18 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
         }
         fused_grid_barrier(p.barrier);
         // E: O projection + residual (+ o bias).
-        if (work) fused_gemm_phase(o, pf, fused_smem);
+        if (work) fused_gemm_phase(o, pf, fused_smem, 0, -1);
         fused_prefetch_phase(gate_up, pf);
         fused_grid_barrier(p.barrier);
         // F: FFN RMSNorm.
         if (work) fused_norm_phase(p.x, 0, rows, L.ffn_norm, p.act16, h, p.eps, 0, 0);
         fused_grid_barrier(p.barrier);
         // G: gate/up + SwiGLU.
-        if (work) fused_gemm_phase(gate_up, pf, fused_smem);
+        if (work) fused_gemm_phase(gate_up, pf, fused_smem, 0, -1);
         fused_prefetch_phase(down, pf);
         fused_grid_barrier(p.barrier);
         // H: down projection + residual.
-        if (work) fused_gemm_phase(down, pf, fused_smem);
+        if (work) fused_gemm_phase(down, pf, fused_smem, taps.count > 0 ? &taps : 0, l);
         if (l + 1 < p.n_layers) {
             const FusedLayer* next = p.layers + l + 1;
             const FusedGemm next_qkv = {next->wqkv, p.act16, p.qkv, 0, 0, width, h, rows, 0};
@@ -479,18 +507,25 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
     if (work) fused_norm_phase(p.x, p.logit_rows, n_logits, p.final_norm, p.act16, h, p.eps, 0, 0);
     fused_grid_barrier(p.barrier);
     const FusedGemm head = {p.lm_head, p.act16, p.logits, 0, 0, p.vocab, h, n_logits, 0};
-    if (work) fused_gemm_phase(head, pf, fused_smem);
+    if (work) fused_gemm_phase(head, pf, fused_smem, 0, -1);
 }
 
 // One CTA per SM: up to 255 registers per thread.
+// Arguments: the parameter block, the step's rows and logits rows, FUSED_* flags, and the tapped layers
+// (tap_buf: [slot][max_rows][hidden] f32, tap_layers: slot -> layer bytes, tap_count <= 8, tap_stride:
+// floats per slot; tap_count 0 and tap_buf null without taps).
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS, 1)
-fused_forward(const FusedParams* __restrict__ params, int rows, int n_logits, int flags) {
-    fused_forward_body(params, rows, n_logits, flags);
+fused_forward(const FusedParams* __restrict__ params, int rows, int n_logits, int flags, float* tap_buf,
+              unsigned long long tap_layers, int tap_count, int tap_stride) {
+    const FusedTaps taps = {tap_buf, tap_layers, tap_count, tap_stride};
+    fused_forward_body(params, rows, n_logits, flags, taps);
 }
 
 // Two CTAs per SM (16 warps to hide the latency-bound phases: norms, RoPE, attention), at most 128
 // registers per thread. Which is faster is for the device to say (gpu_fused_check --bench).
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS, 2)
-fused_forward_x2(const FusedParams* __restrict__ params, int rows, int n_logits, int flags) {
-    fused_forward_body(params, rows, n_logits, flags);
+fused_forward_x2(const FusedParams* __restrict__ params, int rows, int n_logits, int flags, float* tap_buf,
+                 unsigned long long tap_layers, int tap_count, int tap_stride) {
+    const FusedTaps taps = {tap_buf, tap_layers, tap_count, tap_stride};
+    fused_forward_body(params, rows, n_logits, flags, taps);
 }

@@ -13,9 +13,11 @@
 //!
 //! Selection: `set_step_backend(StepBackend::LatencySpecialized)` compiles the kernel (NVRTC, once) and
 //! checks that every CTA fits on the device at once. From then on each step that `supports` takes runs
-//! fused; the others (prompt chunks, more than 8 sequences or 16 tokens per sequence, a model outside
-//! the kernel's limits) run the standard step and are counted by `FallbackReason::kind` in
-//! `fused_fallbacks`, so the engine can report them.
+//! fused; the others (prompt chunks, more than 8 sequences or 16 tokens per sequence, more than 8
+//! tapped layers, a model outside the kernel's limits) run the standard step and are counted by
+//! `FallbackReason::kind` in `fused_fallbacks`, so the engine can report them. Tapped layers
+//! (`forward_on_device` / `forward_tapped`, for DSpark) land in the same buffer slots as on the
+//! standard step.
 //!
 //! Nothing here has run on a GPU yet (written without one); `experiments/fused/README.md` lists what is
 //! untested and the device commands.
@@ -100,6 +102,8 @@ pub enum FallbackReason {
     TooManyTokens { tokens: usize, max: usize },
     #[error("a prompt chunk ({tokens} tokens, {num_logits} logits rows): prefill runs on the standard step")]
     PrefillChunk { tokens: usize, num_logits: usize },
+    #[error("{taps} tapped layers (or a layer past 254): the fused kernel copies at most {max}")]
+    TappedLayers { taps: usize, max: usize },
 }
 
 impl FallbackReason {
@@ -113,6 +117,7 @@ impl FallbackReason {
             FallbackReason::TooManySequences { .. } => "too_many_sequences",
             FallbackReason::TooManyTokens { .. } => "too_many_tokens",
             FallbackReason::PrefillChunk { .. } => "prefill_chunk",
+            FallbackReason::TappedLayers { .. } => "tapped_layers",
         }
     }
 }
@@ -179,6 +184,27 @@ pub fn supports(c: &ModelConfig, seqs: &[SeqShape]) -> Result<(), FallbackReason
         }
     }
     Ok(())
+}
+
+/// Most tapped layers one fused step copies out (one byte per slot in a 64-bit launch argument).
+pub const FUSED_MAX_TAPS: usize = 8;
+
+/// Whether the fused kernel can copy out these tapped layers (any order, repeats allowed).
+pub fn supports_taps(taps: &[usize]) -> Result<(), FallbackReason> {
+    if taps.len() > FUSED_MAX_TAPS || taps.iter().any(|&l| l > 254) {
+        return Err(FallbackReason::TappedLayers {
+            taps: taps.len(),
+            max: FUSED_MAX_TAPS,
+        });
+    }
+    Ok(())
+}
+
+/// fused_forward's `tap_layers` argument: slot s's layer in bits 8 s .. 8 s + 7 (`supports_taps` first).
+fn pack_taps(taps: &[usize]) -> u64 {
+    taps.iter()
+        .enumerate()
+        .fold(0u64, |acc, (s, &l)| acc | ((l as u64 & 0xff) << (8 * s)))
 }
 
 /// What the fused kernel does (timing variants; anything but `Full` leaves the outputs meaningless).
@@ -609,7 +635,7 @@ impl GpuTransformer {
             // Padding only happens for graph shapes, whose sequences are all alike.
             shapes.resize(batch.max(shapes.len()), first);
         }
-        match supports(&self.config, &shapes) {
+        match supports(&self.config, &shapes).and_then(|()| supports_taps(&self.step_taps)) {
             Ok(()) if st.step.is_some() => {
                 st.this_step = true;
                 st.fused_steps += 1;
@@ -661,11 +687,23 @@ impl GpuTransformer {
         // both backends run the same attention arithmetic and a captured graph keeps its choice.
         let whole_row = step.info.whole_row_attention && self.whole_row_attention_for(rows);
         let flags = self.fused.opts.mode.flags() | if whole_row { 4 } else { 0 };
+        // Tapped layers (fused_decision checked supports_taps): the same slots of the same buffer the
+        // standard step copies into; the list is part of the graph key.
+        let taps = &self.step_taps;
+        let tap_stride = self.opts.max_rows * self.config.hidden_size;
         let args = [
             KernelArg::buf(&step.params, s),
             KernelArg::i32(rows as i32),
             KernelArg::i32(n_logits as i32),
             KernelArg::i32(flags),
+            if taps.is_empty() {
+                KernelArg::null()
+            } else {
+                KernelArg::buf(&self.tap_buf, s)
+            },
+            KernelArg::u64(pack_taps(taps)),
+            KernelArg::i32(taps.len() as i32),
+            KernelArg::i32(tap_stride as i32),
         ];
         let cfg = LaunchConfig {
             grid_dim: (step.info.grid, 1, 1),
@@ -806,6 +844,23 @@ mod tests {
     }
 
     #[test]
+    fn taps_pack_one_byte_per_slot_in_list_order() {
+        assert_eq!(supports_taps(&[]), Ok(()));
+        assert_eq!(supports_taps(&[0, 2]), Ok(()));
+        assert_eq!(supports_taps(&[15, 3, 3, 0, 1, 2, 4, 5]), Ok(()));
+        assert_eq!(
+            supports_taps(&[0; 9]),
+            Err(FallbackReason::TappedLayers { taps: 9, max: 8 })
+        );
+        assert_eq!(supports_taps(&[255]).unwrap_err().kind(), "tapped_layers");
+        assert_eq!(pack_taps(&[]), 0);
+        assert_eq!(pack_taps(&[0, 2]), 0x0200);
+        // Any order, repeats allowed: slot s holds its own layer.
+        assert_eq!(pack_taps(&[15, 3, 3]), 0x03_03_0f);
+        assert_eq!(pack_taps(&[254; 8]), 0xfefe_fefe_fefe_fefe);
+    }
+
+    #[test]
     fn fallback_kinds_are_distinct() {
         let all = [
             FallbackReason::Alignment {
@@ -824,6 +879,7 @@ mod tests {
                 tokens: 2,
                 num_logits: 1,
             },
+            FallbackReason::TappedLayers { taps: 9, max: 8 },
         ];
         let kinds: std::collections::BTreeSet<_> = all.iter().map(FallbackReason::kind).collect();
         assert_eq!(kinds.len(), all.len());

@@ -15,7 +15,9 @@
 //! greedy 1-token graph steps; an 8-token verify block, also through `step_argmax`), then eight
 //! sequences (prompts of 5..1400 tokens: prefill-chunk fallbacks), a mixed 1/3/8/16-token step (direct
 //! launch), verify steps of 3 x 8 tokens (graph bucket 4, one padded sequence), 8 x 16 tokens (128
-//! rows: two 64-row GEMM chunks), 5 x 4 tokens (bucket 8) and 8 x 1 tokens, each with a seeded rollback.
+//! rows: two 64-row GEMM chunks), 5 x 4 tokens (bucket 8) and 8 x 1 tokens, 3 x 8 tokens with tapped
+//! layers [last, 0, last] (the tapped outputs compared too, as DSpark reads them) and 4 x 1 tokens
+//! with 9 tapped layers (a fallback), each with a seeded rollback.
 //! Variants per model (the fused kernel follows the standard step's attention choice per launch shape,
 //! which the variant forces or leaves to the launch size): the default fused launch (one CTA per SM,
 //! L2 prefetch, cooperative) with the launch-size attention choice; a 5-CTA fused grid without
@@ -74,13 +76,36 @@ struct Agg {
     steps: usize,
     fused_steps: usize,
     expected_fused: usize,
+    /// Tapped layers' outputs (when the scenario taps): max relative errors and bit-identity.
+    tapped: bool,
+    hidden_fused_cpu: f64,
+    hidden_fused_standard: f64,
+    hidden_bit_identical: bool,
 }
 
 impl Agg {
     fn new() -> Agg {
         Agg {
             bit_identical: true,
+            hidden_bit_identical: true,
             ..Default::default()
+        }
+    }
+
+    fn add_hidden(&mut self, f: &[Vec<f32>], s: &[Vec<f32>], c: &[Vec<f32>]) {
+        if c.is_empty() {
+            return;
+        }
+        self.tapped = true;
+        if f.len() != c.len() || s.len() != c.len() {
+            self.hidden_fused_cpu = f64::INFINITY;
+            return;
+        }
+        for ((f, s), c) in f.iter().zip(s).zip(c) {
+            self.hidden_fused_cpu = self.hidden_fused_cpu.max(max_rel(f, c));
+            self.hidden_fused_standard = self.hidden_fused_standard.max(max_rel(f, s));
+            self.hidden_bit_identical &=
+                f.len() == s.len() && f.iter().zip(s).all(|(a, b)| a.to_bits() == b.to_bits());
         }
     }
 
@@ -103,7 +128,20 @@ impl Agg {
     }
 
     fn report(&self, tally: &mut Tally, what: &str) {
-        let errs = [self.fused_cpu, self.standard_cpu, self.fused_standard];
+        let mut errs = vec![self.fused_cpu, self.standard_cpu, self.fused_standard];
+        if self.tapped {
+            errs.extend([self.hidden_fused_cpu, self.hidden_fused_standard]);
+            println!(
+                "  {what:<52} tapped layers: fused~cpu {:.2e} fused~std {:.2e} {}",
+                self.hidden_fused_cpu,
+                self.hidden_fused_standard,
+                if self.hidden_bit_identical {
+                    "bit-identical"
+                } else {
+                    "not bit-identical"
+                }
+            );
+        }
         let ok = errs.iter().all(|e| e.is_finite() && *e <= LIMIT);
         println!(
             "  {what:<52} fused~cpu {:.2e} std~cpu {:.2e} fused~std {:.2e} {} | ids fused/std differ {}/{} rows, fused/cpu {} | fused {}/{} steps (expected {}) {}",
@@ -138,11 +176,14 @@ impl Agg {
     }
 }
 
-/// One step's logits on each path.
+/// One step's logits (and tapped layers' outputs) on each path.
 struct StepLogits {
     fused: Vec<f32>,
     standard: Vec<f32>,
     cpu: Vec<f32>,
+    fused_hidden: Vec<Vec<f32>>,
+    standard_hidden: Vec<Vec<f32>>,
+    cpu_hidden: Vec<Vec<f32>>,
     /// Whether the fused backend's run actually took the fused kernel.
     fused_ran: bool,
 }
@@ -152,6 +193,8 @@ struct Pair<'a> {
     cpu: &'a Transformer,
     cache: PagedKvCache,
     gpu: &'a mut GpuTransformer,
+    /// Layers every step taps (the outputs are compared too), as a DSpark drafter asks.
+    taps: Vec<usize>,
 }
 
 impl Pair<'_> {
@@ -179,13 +222,13 @@ impl Pair<'_> {
             .map(|&s| self.gpu.seq_len(s))
             .collect::<Result<_, _>>()?;
         self.gpu.set_step_backend(StepBackend::LatencySpecialized)?;
-        let f = self.gpu.forward(&inputs)?.logits;
+        let f = self.gpu.forward_tapped(&inputs, &self.taps)?;
         let fused = self.gpu.last_step_fused();
         for (&s, &start) in gseqs.iter().zip(&starts) {
             self.gpu.truncate(s, start)?;
         }
         self.gpu.set_step_backend(StepBackend::Standard)?;
-        let s = self.gpu.forward(&inputs)?.logits;
+        let s = self.gpu.forward_tapped(&inputs, &self.taps)?;
         let cin: Vec<SeqInput> = cseqs
             .iter()
             .zip(blocks)
@@ -196,11 +239,14 @@ impl Pair<'_> {
                 num_logits,
             })
             .collect();
-        let c = self.cpu.forward(&mut self.cache, &cin, &[])?.logits;
+        let c = self.cpu.forward(&mut self.cache, &cin, &self.taps)?;
         Ok(StepLogits {
-            fused: f,
-            standard: s,
-            cpu: c,
+            fused: f.logits,
+            standard: s.logits,
+            cpu: c.logits,
+            fused_hidden: f.hidden,
+            standard_hidden: s.hidden,
+            cpu_hidden: c.hidden,
             fused_ran: fused,
         })
     }
@@ -218,6 +264,7 @@ impl Pair<'_> {
     ) -> Result<Vec<f32>> {
         let r = self.step(cseqs, gseqs, blocks, nl)?;
         agg.add(&r.fused, &r.standard, &r.cpu, self.cpu.config.vocab_size);
+        agg.add_hidden(&r.fused_hidden, &r.standard_hidden, &r.cpu_hidden);
         agg.steps += 1;
         agg.fused_steps += usize::from(r.fused_ran);
         agg.expected_fused += usize::from(expect_fused);
@@ -260,6 +307,7 @@ fn check_model(
         cpu,
         cache: cpu.new_cache(16384),
         gpu,
+        taps: Vec::new(),
     };
 
     // One sequence.
@@ -341,20 +389,56 @@ fn check_model(
     agg.report(tally, "mixed step: 1, 3, 8, 16 tokens, all logits (direct)");
 
     let rounds = if quick { 2 } else { 4 };
-    for (label, which, t) in [
+    let last = cpu.config.num_layers - 1;
+    let nine: Vec<usize> = (0..9).map(|i| i % cpu.config.num_layers).collect();
+    let none: Vec<usize> = Vec::new();
+    for (label, which, t, taps, expect_fused) in [
         (
             "verify 3 seqs x 8 tokens (bucket 4, padded)",
             vec![0usize, 2, 3],
             8usize,
+            none.clone(),
+            true,
         ),
-        ("verify 8 seqs x 16 tokens (128 rows)", (0..8).collect(), 16),
+        (
+            "verify 8 seqs x 16 tokens (128 rows)",
+            (0..8).collect(),
+            16,
+            none.clone(),
+            true,
+        ),
         (
             "verify 5 seqs x 4 tokens (bucket 8, padded)",
             vec![1, 3, 4, 6, 7],
             4,
+            none.clone(),
+            true,
         ),
-        ("decode 8 seqs x 1 token", (0..8).collect(), 1),
+        (
+            "decode 8 seqs x 1 token",
+            (0..8).collect(),
+            1,
+            none.clone(),
+            true,
+        ),
+        // As a DSpark drafter asks: tapped layers in any order, repeated.
+        (
+            "verify 3 x 8 tokens, tapped layers [last, 0, last]",
+            vec![0, 2, 3],
+            8,
+            vec![last, 0, last],
+            true,
+        ),
+        (
+            "decode 4 x 1 token, 9 tapped layers (fallback)",
+            vec![0, 1, 2, 3],
+            1,
+            nine.clone(),
+            false,
+        ),
     ] {
+        p.gpu.reserve_tapped_layers(taps.len())?;
+        p.taps = taps;
         let cs: Vec<SeqId> = which.iter().map(|&i| cseqs[i]).collect();
         let gs: Vec<usize> = which.iter().map(|&i| gseqs[i]).collect();
         let mut agg = Agg::new();
@@ -369,11 +453,12 @@ fn check_model(
                 .map(|&s| p.cache.len(s))
                 .collect::<Result<_, _>>()?;
             let nl = vec![t; which.len()];
-            let _ = p.step_into(&mut agg, &cs, &gs, &refs, &nl, true)?;
+            let _ = p.step_into(&mut agg, &cs, &gs, &refs, &nl, expect_fused)?;
             p.rollback(&cs, &gs, &starts, t, &mut rng)?;
         }
         agg.report(tally, &format!("{label}, {rounds} rounds, rollback"));
     }
+    p.taps.clear();
     for (&c, &g) in cseqs.iter().zip(&gseqs) {
         if p.cache.len(c)? != p.gpu.seq_len(g)? {
             bail!("cache lengths differ after rollback");
@@ -499,6 +584,7 @@ fn check(quick: bool, cooperative: bool) -> Result<()> {
         max_sequences: 8,
         max_positions: 2048,
         max_rows: 128,
+        ..Default::default()
     };
     for (i, path) in ["models/default/target", "models/default/draft"]
         .into_iter()
@@ -610,6 +696,7 @@ fn bench(args: BenchArgs) -> Result<()> {
         max_sequences: 8,
         max_positions: (args.context + 64).next_multiple_of(16),
         max_rows: 512,
+        ..Default::default()
     };
     let mut gpu = GpuTransformer::random(config.clone(), args.seed, opts)?;
     println!("GPU {} ({})", gpu.device.name, gpu.device.arch);
