@@ -266,9 +266,13 @@ extern "C" __global__ void fill_random_f32(float* out, unsigned long long n, uns
 // (own elements, then a warp butterfly, then the warps' sums in order), and writes from the registers,
 // so the row is read once in one round of loads. Rows longer than 32 float4s per thread, or not a
 // multiple of 4, take a plain strided loop.
+// The body is a device function over output row `row` so the persistent fused kernel (fused_step.cu)
+// runs the same arithmetic; PDL = false there (no programmatic launch inside one kernel). A caller that
+// runs it for several rows in a loop must __syncthreads() between rows (warp_sums is reused).
 #define SPECULA_NORM_VEC 8
-extern "C" __global__ void rms_norm_bf16(const float* x, const int* src_rows, const float* weight,
-                                         unsigned short* out, int dim, float eps) {
+template <bool PDL>
+__device__ __forceinline__ void rms_norm_bf16_body(const float* x, const int* src_rows, int row, const float* weight,
+                                                   unsigned short* out, int dim, float eps) {
     __shared__ float warp_sums[32];
     const int tid = threadIdx.x, nt = blockDim.x;
     const int d4 = dim / 4;
@@ -281,11 +285,13 @@ extern "C" __global__ void rms_norm_bf16(const float* x, const int* src_rows, co
             if (i < d4) wv[u] = ((const float4*)weight)[i];
         }
     }
-    SPECULA_PDL_WAIT();
-    SPECULA_PDL_LAUNCH();
-    int src = src_rows ? src_rows[blockIdx.x] : blockIdx.x;
+    if (PDL) {
+        SPECULA_PDL_WAIT();
+        SPECULA_PDL_LAUNCH();
+    }
+    int src = src_rows ? src_rows[row] : row;
     const float* xr = x + (size_t)src * dim;
-    unsigned short* orow = out + (size_t)blockIdx.x * dim;
+    unsigned short* orow = out + (size_t)row * dim;
     float ss = 0.0f;
     if (vec) {
 #pragma unroll
@@ -323,6 +329,22 @@ extern "C" __global__ void rms_norm_bf16(const float* x, const int* src_rows, co
     }
 }
 
+extern "C" __global__ void rms_norm_bf16(const float* x, const int* src_rows, const float* weight,
+                                         unsigned short* out, int dim, float eps) {
+    rms_norm_bf16_body<true>(x, src_rows, blockIdx.x, weight, out, dim, eps);
+}
+
+// Rotate-half RoPE of one (x[i], x[i + half]) pair at `position` (angle in double, as on the CPU). Shared
+// by rope_kv_append and the fused kernel (fused_step.cu) so both round identically.
+__device__ __forceinline__ void rope_rotate(const float* a, const float* b, int position, double inv_freq, float* ra,
+                                            float* rb) {
+    double s, c;
+    sincos((double)position * inv_freq, &s, &c);
+    float xa = *a, xb = *b;
+    *ra = xa * (float)c - xb * (float)s;
+    *rb = xb * (float)c + xa * (float)s;
+}
+
 // RoPE on q and k and the KV-cache append in one launch. Grid: (rows, n_heads + 2 * n_kv_heads),
 // block: head_dim / 2. blockIdx.y < n_heads: rotate a q head in place; next n_kv_heads: rotate a k head
 // and store it at cache slot slots[row]; last n_kv_heads: copy a v head to the cache.
@@ -347,11 +369,8 @@ extern "C" __global__ void rope_kv_append(float* qkv, int row_stride, int n_head
         return;
     }
     float* h = row + y * head_dim;  // q heads, then k heads right after them
-    double s, c;
-    sincos((double)positions[blockIdx.x] * inv_freq[i], &s, &c);
-    float xa = h[i], xb = h[i + half];
-    float ra = xa * (float)c - xb * (float)s;
-    float rb = xb * (float)c + xa * (float)s;
+    float ra, rb;
+    rope_rotate(h + i, h + i + half, positions[blockIdx.x], inv_freq[i], &ra, &rb);
     if (y < n_heads) {
         h[i] = ra;
         h[i + half] = rb;
@@ -374,22 +393,27 @@ extern "C" __global__ void rope_kv_append(float* qkv, int row_stride, int n_head
 // Dynamic shared memory: (G * head_dim + G * max_keys + max_keys + 1024 * G + 8) floats, sized at
 // launch from the model's max_keys, so the launch does not depend on the current context length.
 // Requires G <= 8, head_dim a multiple of 32 and at most 256. Grid: (rows, n_kv_heads), block 256.
+// The body is a device function of the (row, KV head) work item and the dynamic shared memory, so the
+// persistent fused kernel (fused_step.cu) runs the same arithmetic with PDL = false; a caller that runs
+// several items in a loop must __syncthreads() between them (the shared buffers are reused).
 #define SPECULA_ATTN_THREADS 256
-extern "C" __global__ void __launch_bounds__(SPECULA_ATTN_THREADS)
-attention_gqa(const float* qkv, int row_stride, int n_heads, int n_kv_heads, int head_dim,
-              const int* positions, const int* block_table_of_row, int max_blocks, const int* block_tables,
-              int block_size, const float* k_cache, const float* v_cache, unsigned short* out, float scale,
-              int max_keys) {
-    SPECULA_PDL_WAIT();
-    SPECULA_PDL_LAUNCH();
-    extern __shared__ __align__(16) float smem[];
+template <bool PDL>
+__device__ __forceinline__ void attention_gqa_body(const float* qkv, int row_stride, int n_heads, int n_kv_heads,
+                                                   int head_dim, const int* positions, const int* block_table_of_row,
+                                                   int max_blocks, const int* block_tables, int block_size,
+                                                   const float* k_cache, const float* v_cache, unsigned short* out,
+                                                   float scale, int max_keys, int row, int kvh, float* smem) {
+    if (PDL) {
+        SPECULA_PDL_WAIT();
+        SPECULA_PDL_LAUNCH();
+    }
     const int G = n_heads / n_kv_heads;
     float* q_s = smem;                       // [G][head_dim], pre-scaled
     float* p_s = q_s + G * head_dim;         // [G][max_keys] scores, then probabilities
     int* slot_s = (int*)(p_s + G * max_keys);  // [max_keys]
     float* part_s = (float*)(slot_s + max_keys);  // [1024 / head_dim][G][head_dim]
     float* inv_s = part_s + 1024 * G;  // [G]
-    const int row = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x;
+    const int tid = threadIdx.x;
     const int kv_dim = n_kv_heads * head_dim;
     const float* q = qkv + (size_t)row * row_stride + (size_t)kvh * G * head_dim;
     for (int i = tid; i < G * head_dim; i += SPECULA_ATTN_THREADS) q_s[i] = q[i] * scale;
@@ -468,6 +492,17 @@ attention_gqa(const float* qkv, int row_stride, int n_heads, int n_kv_heads, int
     }
 }
 
+extern "C" __global__ void __launch_bounds__(SPECULA_ATTN_THREADS)
+attention_gqa(const float* qkv, int row_stride, int n_heads, int n_kv_heads, int head_dim,
+              const int* positions, const int* block_table_of_row, int max_blocks, const int* block_tables,
+              int block_size, const float* k_cache, const float* v_cache, unsigned short* out, float scale,
+              int max_keys) {
+    extern __shared__ __align__(16) float smem[];
+    attention_gqa_body<true>(qkv, row_stride, n_heads, n_kv_heads, head_dim, positions, block_table_of_row,
+                             max_blocks, block_tables, block_size, k_cache, v_cache, out, scale, max_keys,
+                             blockIdx.x, blockIdx.y, smem);
+}
+
 // out[row, i] = silu(gate) * up as bf16 (the down projection's input).
 extern "C" __global__ void swiglu_bf16(const float* gate_up, unsigned short* out, int rows, int ffn) {
     SPECULA_PDL_WAIT();
@@ -510,6 +545,16 @@ __device__ __forceinline__ uint4 load_cached_16(const unsigned short* p) {
     return r;
 }
 
+// Activations written earlier in the same kernel (the persistent fused kernel, fused_step.cu): the
+// non-coherent path above is only valid for data that is read-only for the whole kernel, so these go
+// through the ordinary coherent load (L1-cached; the fused kernel's grid barrier orders them).
+__device__ __forceinline__ uint4 load_coherent_16(const unsigned short* p) {
+    uint4 r;
+    asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
 __device__ __forceinline__ void mma_bf16_16816(float* c, unsigned int a0, unsigned int a1, unsigned int a2,
                                                unsigned int a3, unsigned int b0, unsigned int b1) {
     asm volatile(
@@ -519,13 +564,22 @@ __device__ __forceinline__ void mma_bf16_16816(float* c, unsigned int a0, unsign
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-template <int NT, int U, bool SWIGLU>
-__device__ __forceinline__ void skinny_linear(const unsigned short* w, const unsigned short* x, float* out, int N,
-                                              int K, int M, int accumulate, int splits, unsigned short* act) {
-    __shared__ float red[8][8 * NT][16];
+// One output tile of the skinny GEMM: weight rows 16 tile .. 16 tile + 15, K slice `split` of `splits`.
+// `red` is the block's reduction scratch, 8 * (8 NT) * 16 floats in shared memory. The kernels below
+// pass (blockIdx.x, blockIdx.y) and a static buffer (skinny_linear); the persistent fused kernel
+// (fused_step.cu) passes its own work item and dynamic shared memory, with PDL = false and
+// X_READONLY = false (its activations are written earlier in the same kernel, so they must not go
+// through the non-coherent load). A caller that runs several tiles in a loop must __syncthreads()
+// between them (red is reused).
+template <int NT, int U, bool SWIGLU, bool PDL, bool X_READONLY>
+__device__ __forceinline__ void skinny_linear_tile(const unsigned short* w, const unsigned short* x, float* out, int N,
+                                                   int K, int M, int accumulate, int splits, unsigned short* act,
+                                                   int tile, int split, float* red) {
+    float(*red3)[8 * NT][16] = reinterpret_cast<float(*)[8 * NT][16]>(red);
+#define SKINNY_RED(ww, m, r) red3[ww][m][r]
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int g = lane >> 2, t = lane & 3;
-    int n0 = blockIdx.x * 16;
+    int n0 = tile * 16;
     int ra = n0 + g, rb = n0 + g + 8;
     float c[NT][4];
 #pragma unroll
@@ -533,8 +587,8 @@ __device__ __forceinline__ void skinny_linear(const unsigned short* w, const uns
     uint4 zero;
     zero.x = zero.y = zero.z = zero.w = 0u;
     int total_chunks = K / 32;
-    int first = (int)(((long long)total_chunks * blockIdx.y) / splits);
-    int nchunks = (int)(((long long)total_chunks * (blockIdx.y + 1)) / splits);
+    int first = (int)(((long long)total_chunks * split) / splits);
+    int nchunks = (int)(((long long)total_chunks * (split + 1)) / splits);
     // Weight fragments are loaded one iteration ahead (double-buffered in registers), and the first
     // iteration's before SPECULA_PDL_WAIT(): weights are never written during a step, so under PDL
     // they stream in while the previous kernel (the norm or attention producing x) is finishing.
@@ -547,8 +601,10 @@ __device__ __forceinline__ void skinny_linear(const unsigned short* w, const uns
         a_lo[u] = (ok && ra < N) ? load_stream_16(w + (size_t)ra * K + koff) : zero;
         a_hi[u] = (ok && rb < N) ? load_stream_16(w + (size_t)rb * K + koff) : zero;
     }
-    SPECULA_PDL_WAIT();
-    SPECULA_PDL_LAUNCH();
+    if (PDL) {
+        SPECULA_PDL_WAIT();
+        SPECULA_PDL_LAUNCH();
+    }
     for (int base = first + warp; base < nchunks; base += 8 * U) {
         uint4 b[U][NT], na_lo[U], na_hi[U];
 #pragma unroll
@@ -559,7 +615,11 @@ __device__ __forceinline__ void skinny_linear(const unsigned short* w, const uns
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 int m = nt * 8 + g;
-                b[u][nt] = (ok && m < M) ? load_cached_16(x + (size_t)m * K + koff) : zero;
+                if (X_READONLY) {
+                    b[u][nt] = (ok && m < M) ? load_cached_16(x + (size_t)m * K + koff) : zero;
+                } else {
+                    b[u][nt] = (ok && m < M) ? load_coherent_16(x + (size_t)m * K + koff) : zero;
+                }
             }
             int nch = ch + 8 * U;
             bool nok = nch < nchunks;
@@ -581,26 +641,26 @@ __device__ __forceinline__ void skinny_linear(const unsigned short* w, const uns
     // Accumulator layout of m16n8: c0, c1 -> (row g, cols 2t, 2t+1); c2, c3 -> (row g+8, same cols).
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-        red[warp][nt * 8 + 2 * t][g] = c[nt][0];
-        red[warp][nt * 8 + 2 * t + 1][g] = c[nt][1];
-        red[warp][nt * 8 + 2 * t][g + 8] = c[nt][2];
-        red[warp][nt * 8 + 2 * t + 1][g + 8] = c[nt][3];
+        SKINNY_RED(warp, nt * 8 + 2 * t, g) = c[nt][0];
+        SKINNY_RED(warp, nt * 8 + 2 * t + 1, g) = c[nt][1];
+        SKINNY_RED(warp, nt * 8 + 2 * t, g + 8) = c[nt][2];
+        SKINNY_RED(warp, nt * 8 + 2 * t + 1, g + 8) = c[nt][3];
     }
     __syncthreads();
     if (SWIGLU) {
-        // Paired gate/up rows (see skinny_linear_swiglu_m*): rows r and r + 8 of this block are the gate
-        // and up projections of feature 8 * blockIdx.x + r; write silu(gate) * up as bf16, exactly as
+        // Paired gate/up rows (see skinny_linear_swiglu_m*): rows r and r + 8 of this tile are the gate
+        // and up projections of feature 8 * tile + r; write silu(gate) * up as bf16, exactly as
         // swiglu_bf16 computes it from the same sums.
         int ffn = N / 2;
         for (int idx = threadIdx.x; idx < 8 * 8 * NT; idx += blockDim.x) {
             int m = idx / 8, r = idx % 8;
-            int f = blockIdx.x * 8 + r;
+            int f = tile * 8 + r;
             if (m >= M || f >= ffn) continue;
             float gs = 0.0f, us = 0.0f;
 #pragma unroll
             for (int ww = 0; ww < 8; ++ww) {
-                gs += red[ww][m][r];
-                us += red[ww][m][r + 8];
+                gs += SKINNY_RED(ww, m, r);
+                us += SKINNY_RED(ww, m, r + 8);
             }
             act[(size_t)m * ffn + f] = f32_to_bf16(gs / (1.0f + expf(-gs)) * us);
         }
@@ -612,7 +672,7 @@ __device__ __forceinline__ void skinny_linear(const unsigned short* w, const uns
         if (m >= M || n >= N) continue;
         float s = 0.0f;
 #pragma unroll
-        for (int ww = 0; ww < 8; ++ww) s += red[ww][m][r];
+        for (int ww = 0; ww < 8; ++ww) s += SKINNY_RED(ww, m, r);
         float* dst = out + (size_t)m * N + n;
         if (splits > 1) {
             atomicAdd(dst, s);
@@ -620,6 +680,16 @@ __device__ __forceinline__ void skinny_linear(const unsigned short* w, const uns
             *dst = accumulate ? *dst + s : s;
         }
     }
+#undef SKINNY_RED
+}
+
+// The standalone kernels' tile: blockIdx.x is the tile, blockIdx.y the K split.
+template <int NT, int U, bool SWIGLU>
+__device__ __forceinline__ void skinny_linear(const unsigned short* w, const unsigned short* x, float* out, int N,
+                                              int K, int M, int accumulate, int splits, unsigned short* act) {
+    __shared__ float red[8][8 * NT][16];
+    skinny_linear_tile<NT, U, SWIGLU, true, true>(w, x, out, N, K, M, accumulate, splits, act, blockIdx.x,
+                                                  blockIdx.y, &red[0][0][0]);
 }
 
 extern "C" __global__ void __launch_bounds__(256) skinny_linear_m8(const unsigned short* w, const unsigned short* x,
@@ -710,19 +780,30 @@ extern "C" __global__ void swiglu_bf16_paired(const float* gate_up, unsigned sho
 #define ATTN_TILE 256
 #define ATTN_SPLIT_KEYS 128
 #define ATTN_MAX_SPLITS 4
-extern "C" __global__ void __launch_bounds__(SPECULA_ATTN_THREADS)
-attention_split(const float* qkv, int row_stride, int n_heads, int n_kv_heads, int head_dim,
-                const int* positions, const int* block_table_of_row, int max_blocks, const int* block_tables,
-                int block_size, const float* k_cache, const float* v_cache, unsigned short* out, float scale,
-                float* partials, unsigned int* counters) {
-    SPECULA_PDL_WAIT();
-    SPECULA_PDL_LAUNCH();
-    extern __shared__ __align__(16) float smem[];
+// A row's key slices: a function of its own key count only (fused_step.cu enumerates work items with it).
+__device__ __forceinline__ int attn_num_splits(int n_keys) {
+    return min(ATTN_MAX_SPLITS, (n_keys + ATTN_SPLIT_KEYS - 1) / ATTN_SPLIT_KEYS);
+}
+// The body is a device function of the (row, KV head, slice) work item and the dynamic shared memory,
+// so the persistent fused kernel (fused_step.cu) runs the same arithmetic with PDL = false. Every
+// return is uniform over the block; a caller that runs several items in a loop must __syncthreads()
+// between them (the shared buffers are reused).
+template <bool PDL>
+__device__ __forceinline__ void attention_split_body(const float* qkv, int row_stride, int n_heads, int n_kv_heads,
+                                                     int head_dim, const int* positions, const int* block_table_of_row,
+                                                     int max_blocks, const int* block_tables, int block_size,
+                                                     const float* k_cache, const float* v_cache, unsigned short* out,
+                                                     float scale, float* partials, unsigned int* counters, int row,
+                                                     int kvh, int split, float* smem) {
+    if (PDL) {
+        SPECULA_PDL_WAIT();
+        SPECULA_PDL_LAUNCH();
+    }
     __shared__ int last_s;
     const int G = n_heads / n_kv_heads;
-    const int row = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, tid = threadIdx.x;
+    const int tid = threadIdx.x;
     const int n_keys = positions[row] + 1;
-    const int n_splits = min(ATTN_MAX_SPLITS, (n_keys + ATTN_SPLIT_KEYS - 1) / ATTN_SPLIT_KEYS);
+    const int n_splits = attn_num_splits(n_keys);
     if (split >= n_splits) return;  // uniform over the block, before any barrier
     const int per = (n_keys + n_splits - 1) / n_splits;
     const int k_begin = split * per, k_end = min(n_keys, k_begin + per);
@@ -876,4 +957,15 @@ attention_split(const float* qkv, int row_stride, int n_heads, int n_kv_heads, i
         out[out_base + i] = f32_to_bf16(o / l);
     }
     if (tid == 0) counters[rk] = 0u;
+}
+
+extern "C" __global__ void __launch_bounds__(SPECULA_ATTN_THREADS)
+attention_split(const float* qkv, int row_stride, int n_heads, int n_kv_heads, int head_dim,
+                const int* positions, const int* block_table_of_row, int max_blocks, const int* block_tables,
+                int block_size, const float* k_cache, const float* v_cache, unsigned short* out, float scale,
+                float* partials, unsigned int* counters) {
+    extern __shared__ __align__(16) float smem[];
+    attention_split_body<true>(qkv, row_stride, n_heads, n_kv_heads, head_dim, positions, block_table_of_row,
+                               max_blocks, block_tables, block_size, k_cache, v_cache, out, scale, partials,
+                               counters, blockIdx.x, blockIdx.y, blockIdx.z, smem);
 }

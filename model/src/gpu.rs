@@ -28,6 +28,11 @@ use specula_kernels::cuda::{
 use specula_kernels::{Matrix, MatrixData};
 use std::collections::HashMap;
 
+// The `latency_specialized` backend (issue 6): one persistent kernel per step on this model's weights,
+// KV cache and step buffers. A child module so that it reads the private state directly.
+#[path = "gpu_fused.rs"]
+pub mod fused;
+
 fn gpu(e: impl Into<CudaError>) -> ModelError {
     ModelError::Gpu(e.into().to_string())
 }
@@ -258,8 +263,9 @@ pub struct GpuTransformer {
     buf: StepBuffers,
     /// Largest logits rows per launch.
     max_logit_rows: usize,
-    /// Keyed by (batch bucket, tokens per sequence, logits per sequence, tapped layers).
-    graphs: HashMap<(usize, usize, usize, Vec<usize>), OwnedGraph>,
+    /// Captured steps by (batch bucket, tokens per sequence, logits per sequence, tapped layers,
+    /// whether the fused kernel runs it).
+    graphs: HashMap<(usize, usize, usize, Vec<usize>, bool), OwnedGraph>,
     /// Tapped layers of the step being encoded (set only for the duration of one forward).
     step_taps: Vec<usize>,
     /// `[tapped layer slot, max_rows, hidden]`: the tapped layers' outputs of the last step. Sized
@@ -274,6 +280,8 @@ pub struct GpuTransformer {
     num_sms: usize,
     /// Set when a capture failed: later steps run directly (correct, slower) and reports say why.
     graph_error: Option<String>,
+    /// The step backend and the fused kernel's state (gpu_fused.rs).
+    fused: fused::FusedState,
 }
 
 fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
@@ -663,6 +671,7 @@ impl GpuTransformer {
             ablation: StepAblation::default(),
             num_sms,
             graph_error: None,
+            fused: fused::FusedState::default(),
             opts,
             config: c,
         })
@@ -1040,7 +1049,14 @@ impl GpuTransformer {
     ) -> Result<Option<Vec<f64>>, ModelError> {
         const PER_SAMPLE: usize = 10;
         let bucket = batch_bucket(batch, self.opts.max_sequences);
-        let Some(OwnedGraph(graph)) = self.graphs.get(&(bucket, tokens, logits, Vec::new())) else {
+        let key = (
+            bucket,
+            tokens,
+            logits,
+            Vec::new(),
+            self.graph_uses_fused(bucket, tokens, logits),
+        );
+        let Some(OwnedGraph(graph)) = self.graphs.get(&key) else {
             return Ok(None);
         };
         let s = &self.device.stream;
@@ -1070,8 +1086,9 @@ impl GpuTransformer {
     /// How the most recent `run` of this shape would go: whether a graph exists for it.
     pub fn has_graph(&self, batch: usize, tokens: usize, logits: usize) -> bool {
         let bucket = batch_bucket(batch, self.opts.max_sequences);
+        let fused = self.graph_uses_fused(bucket, tokens, logits);
         self.graphs
-            .contains_key(&(bucket, tokens, logits, Vec::new()))
+            .contains_key(&(bucket, tokens, logits, Vec::new(), fused))
     }
 
     /// Validates, grows the sequences' blocks, copies the packed inputs to the device and runs the
@@ -1213,7 +1230,11 @@ impl GpuTransformer {
         s.memcpy_htod(&self.host_inputs, &mut self.buf.inputs)
             .map_err(gpu)?;
 
-        let path = match graph_shape.map(|(b, t, lg)| (b, t, lg, self.step_taps.clone())) {
+        // The fused kernel or the standard launches (counts the fallback reason when the fused backend
+        // is selected but cannot take this step); part of the graph key, so each keeps its own graph.
+        let fused = self.fused_decision(inputs, batch);
+        let graph_key = graph_shape.map(|(b, t, lg)| (b, t, lg, self.step_taps.clone(), fused));
+        let path = match graph_key {
             Some(key) if self.graphs.contains_key(&key) => {
                 self.graphs[&key].0.launch().map_err(gpu)?;
                 StepPath::Graph
@@ -1263,6 +1284,9 @@ impl GpuTransformer {
     /// kernels go out with programmatic dependent launch where the device has it (launch.rs): each
     /// may start during the previous kernel's tail and waits inside for its results.
     fn encode(&mut self, rows: usize, n_logits: usize) -> Result<(), ModelError> {
+        if self.fused.runs_this_step() {
+            return self.encode_fused(rows, n_logits);
+        }
         let c = &self.config;
         let stream = self.device.stream.clone();
         let s = &*stream;

@@ -15,6 +15,12 @@
 //! - `pdl_launch_dependents()` comes after `pdl_wait()`, so at most two kernels are in flight at once.
 //!
 //! Kernels that are not PDL-aware (cuBLAS, memsets) are launched normally and act as full barriers.
+//!
+//! Cooperative launches (`CU_LAUNCH_ATTRIBUTE_COOPERATIVE`, [`launch_with`]) are for persistent kernels
+//! that synchronise their CTAs through global memory (the fused step, `fused_step.cu`): the driver then
+//! guarantees that every CTA of the grid is resident at once, or refuses the launch, instead of
+//! deadlocking a grid barrier. [`co_resident_grid`] checks the grid against the occupancy first, so the
+//! error names the limit.
 
 use cudarc::driver::{sys, CudaFunction, CudaStream, DevicePtr, LaunchConfig};
 use std::ffi::c_void;
@@ -66,15 +72,62 @@ pub unsafe fn launch(
     args: &[KernelArg],
     pdl: bool,
 ) -> Result<(), CudaError> {
+    // SAFETY: forwarded; the caller vouches for the arguments and the PDL contract.
+    unsafe {
+        launch_with(
+            stream,
+            func,
+            cfg,
+            args,
+            LaunchOptions {
+                pdl,
+                cooperative: false,
+            },
+        )
+    }
+}
+
+/// Launch attributes beyond the grid shape.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LaunchOptions {
+    /// Programmatic dependent launch (see the module docs).
+    pub pdl: bool,
+    /// All CTAs co-resident or the launch fails (`CU_LAUNCH_ATTRIBUTE_COOPERATIVE`).
+    pub cooperative: bool,
+}
+
+/// [`launch`] with any combination of [`LaunchOptions`].
+///
+/// # Safety
+/// As [`launch`]; with `cooperative` the grid must also fit on the device at once (check it with
+/// [`co_resident_grid`]), or the driver refuses the launch.
+pub unsafe fn launch_with(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    args: &[KernelArg],
+    opts: LaunchOptions,
+) -> Result<(), CudaError> {
     let mut values: Vec<u64> = args.iter().map(|a| a.0).collect();
     let mut params: Vec<*mut c_void> = values
         .iter_mut()
         .map(|v| v as *mut u64 as *mut c_void)
         .collect();
-    // SAFETY: a zeroed attribute is a valid "ignore" value; only the fields set below are read.
-    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attr.value.programmaticStreamSerializationAllowed = 1;
+    let mut attrs: Vec<sys::CUlaunchAttribute> = Vec::with_capacity(2);
+    if opts.pdl {
+        // SAFETY: a zeroed attribute is a valid "ignore" value; only the fields set below are read.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        attrs.push(attr);
+    }
+    if opts.cooperative {
+        // SAFETY: as above.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+        attr.value.cooperative = 1;
+        attrs.push(attr);
+    }
     let config = sys::CUlaunchConfig {
         gridDimX: cfg.grid_dim.0,
         gridDimY: cfg.grid_dim.1,
@@ -84,11 +137,16 @@ pub unsafe fn launch(
         blockDimZ: cfg.block_dim.2,
         sharedMemBytes: cfg.shared_mem_bytes,
         hStream: stream.cu_stream(),
-        attrs: if pdl { &mut attr } else { std::ptr::null_mut() },
-        numAttrs: u32::from(pdl),
+        attrs: if attrs.is_empty() {
+            std::ptr::null_mut()
+        } else {
+            attrs.as_mut_ptr()
+        },
+        numAttrs: attrs.len() as u32,
     };
     stream.context().bind_to_thread()?;
-    // SAFETY: `params` points at `values`, which outlive the call; the caller vouches for the rest.
+    // SAFETY: `params` points at `values` and `config.attrs` at `attrs`, which outlive the call; the
+    // caller vouches for the rest.
     unsafe {
         sys::cuLaunchKernelEx(
             &config,
@@ -109,9 +167,56 @@ pub fn pdl_supported(major: i32) -> bool {
     major >= 9 && std::env::var("SPECULA_PDL").is_ok_and(|v| v == "1")
 }
 
+/// The grid of a persistent kernel: `requested` CTAs (None: one per SM), checked against how many
+/// fit at once (`blocks_per_sm` from the occupancy calculator, times `num_sms`). Pure arithmetic, so the
+/// rule is tested without a GPU; [`co_resident_grid`] asks the driver for `blocks_per_sm`.
+pub fn persistent_grid(
+    requested: Option<u32>,
+    num_sms: u32,
+    blocks_per_sm: u32,
+) -> Result<u32, String> {
+    let fit = num_sms.saturating_mul(blocks_per_sm);
+    let grid = requested.unwrap_or(num_sms);
+    if grid == 0 {
+        return Err("a persistent kernel needs at least one CTA".into());
+    }
+    if blocks_per_sm == 0 {
+        return Err("not even one CTA fits on an SM (registers or shared memory)".into());
+    }
+    if grid > fit {
+        return Err(format!(
+            "{grid} CTAs requested but only {fit} can be resident at once ({blocks_per_sm} per SM x {num_sms} SMs)"
+        ));
+    }
+    Ok(grid)
+}
+
+/// [`persistent_grid`] with the device's occupancy for `func` at `threads` threads and `smem` bytes
+/// of dynamic shared memory per CTA.
+pub fn co_resident_grid(
+    func: &CudaFunction,
+    requested: Option<u32>,
+    num_sms: u32,
+    threads: u32,
+    smem: usize,
+) -> Result<u32, CudaError> {
+    let per_sm = func.occupancy_max_active_blocks_per_multiprocessor(threads, smem, None)?;
+    persistent_grid(requested, num_sms, per_sm).map_err(CudaError::Shape)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_persistent_grid_must_fit_on_the_device_at_once() {
+        assert_eq!(persistent_grid(None, 132, 1), Ok(132));
+        assert_eq!(persistent_grid(Some(66), 132, 1), Ok(66));
+        assert_eq!(persistent_grid(Some(264), 132, 2), Ok(264));
+        assert!(persistent_grid(Some(133), 132, 1).is_err());
+        assert!(persistent_grid(None, 132, 0).is_err());
+        assert!(persistent_grid(Some(0), 132, 1).is_err());
+    }
 
     #[test]
     fn scalar_arguments_keep_their_bits_in_the_low_bytes() {

@@ -9,11 +9,12 @@ mod gemm;
 pub mod launch;
 pub mod sampling;
 pub use gemm::{Gemm, LinearBackend, LinearChoice, SKINNY_MAX_ROWS};
-pub use launch::{launch, KernelArg};
+pub use launch::{co_resident_grid, launch, launch_with, KernelArg, LaunchOptions};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// Every `.cu` source of the backend, by file name.
 pub const KERNEL_SOURCES: &[(&str, &str)] = &[
@@ -29,6 +30,16 @@ pub const KERNEL_SOURCES: &[(&str, &str)] = &[
             include_str!("../../cuda/dspark.cu")
         ),
     ),
+    // Appended to decoder.cu: the persistent fused step (issue 6) runs decoder.cu's device functions
+    // (norm, RoPE, split-key attention, the skinny GEMM tile) inside one kernel.
+    (
+        "fused_step.cu",
+        concat!(
+            include_str!("../../cuda/decoder.cu"),
+            "\n",
+            include_str!("../../cuda/fused_step.cu")
+        ),
+    ),
 ];
 
 /// The kernels each source must export, by file name (the compile test checks every one).
@@ -36,7 +47,11 @@ pub const EXPORTED_KERNELS: &[(&str, &[&str])] = &[
     ("decoder.cu", DECODER_KERNELS),
     ("sampling.cu", sampling::SAMPLING_KERNELS),
     ("dspark.cu", dspark::DSPARK_KERNELS),
+    ("fused_step.cu", FUSED_KERNELS),
 ];
+
+/// The kernels `fused_step.cu` must export (its program also holds every kernel of decoder.cu).
+pub const FUSED_KERNELS: &[&str] = &["fused_forward", "fused_forward_x2"];
 
 /// The kernels `decoder.cu` must export (checked at load so a rename fails at start, not mid-step).
 pub const DECODER_KERNELS: &[&str] = &[
@@ -129,8 +144,29 @@ pub fn compile_all(arch: &str) -> Result<Vec<(&'static str, Ptx)>, CudaError> {
         .collect()
 }
 
-/// Compiles one source of [`KERNEL_SOURCES`] by file name for `arch`.
+/// Compiles one source of [`KERNEL_SOURCES`] by file name for `arch`. The PTX is kept for the life
+/// of the process, so later devices and models (the GPU check binaries build several) do not pay
+/// NVRTC again (seconds per source; the fused step's program is the largest).
 pub fn compile_source(file: &str, arch: &str) -> Result<Ptx, CudaError> {
+    static CACHE: OnceLock<Mutex<HashMap<(String, String), Ptx>>> = OnceLock::new();
+    let key = (file.to_string(), arch.to_string());
+    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+    if let Some(ptx) = cache.lock().map_err(|_| poisoned())?.get(&key) {
+        return Ok(ptx.clone());
+    }
+    let ptx = compile_uncached(file, arch)?;
+    cache
+        .lock()
+        .map_err(|_| poisoned())?
+        .insert(key, ptx.clone());
+    Ok(ptx)
+}
+
+fn poisoned() -> CudaError {
+    CudaError::Shape("the PTX cache lock was poisoned by a panic".into())
+}
+
+fn compile_uncached(file: &str, arch: &str) -> Result<Ptx, CudaError> {
     if !nvrtc_available() {
         return Err(CudaError::NoNvrtc);
     }
@@ -205,5 +241,11 @@ impl GpuDevice {
 
     pub fn function(&self, name: &str) -> Result<CudaFunction, CudaError> {
         Ok(self.module.load_function(name)?)
+    }
+
+    /// Compiles another source of [`KERNEL_SOURCES`] (e.g. `fused_step.cu`) for this device and loads
+    /// it as a module of its own (the standard step's module stays as it is).
+    pub fn load_source(&self, file: &str) -> Result<Arc<CudaModule>, CudaError> {
+        Ok(self.ctx.load_module(compile_source(file, &self.arch)?)?)
     }
 }

@@ -1,0 +1,895 @@
+//! The fused verify step (issue 6: the `latency_specialized` backend, `kernels/cuda/fused_step.cu`)
+//! against the standard GPU step and the CPU forward (the oracle), on identical state.
+//!
+//! Every step of every scenario runs three times: on the GPU with the fused backend, then — after the
+//! sequences are truncated back to where the step started — on the GPU with the standard backend (so the
+//! state carried forward is the standard path's, and the fused path is never trusted for later steps),
+//! and on the CPU. Reported per scenario: max relative error (max |a - b| / max |b|) fused vs CPU,
+//! standard vs CPU and fused vs standard (limit 1e-2 each), whether fused and standard logits are
+//! bit-identical, and in how many rows the greedy ids differ. A step the fused backend should take and
+//! did not (or the reverse) is a failure.
+//!
+//! Models: the embedded pair (`models/default/target`, `models/default/draft`) and tiny random llama
+//! (llama3 RoPE scaling), llama with attention bias (qkv and o bias), qwen2 (qkv bias) and qwen3 (q/k
+//! norm, untied). Scenarios: one sequence (an 18-token prompt with all logits: a fallback, 17+ tokens;
+//! greedy 1-token graph steps; an 8-token verify block, also through `step_argmax`), then eight
+//! sequences (prompts of 5..1400 tokens: prefill-chunk fallbacks), a mixed 1/3/8/16-token step (direct
+//! launch), verify steps of 3 x 8 tokens (graph bucket 4, one padded sequence), 8 x 16 tokens (128
+//! rows: two 64-row GEMM chunks), 5 x 4 tokens (bucket 8) and 8 x 1 tokens, 3 x 8 tokens with tapped
+//! layers [last, 0, last] (the tapped outputs compared too, as DSpark reads them) and 4 x 1 tokens
+//! with 9 tapped layers (a fallback), each with a seeded rollback.
+//! Variants per model (the fused kernel follows the standard step's attention choice per launch shape,
+//! which the variant forces or leaves to the launch size): the default fused launch (one CTA per SM,
+//! L2 prefetch, cooperative) with the launch-size attention choice; a 5-CTA fused grid without
+//! prefetch (many work items per CTA) with split-key attention; the two-CTAs-per-SM kernel with
+//! whole-row attention; the embedded target also runs a non-cooperative launch. With untuned GEMMs,
+//! steps of <= 64 rows should be bit-identical between fused and standard (same GEMM tile, same
+//! attention body); above 64 rows the standard step runs cuBLAS.
+//!
+//! `--bench`: llama3.2-1b with seeded random weights; device time per graph replay (CUDA events, the
+//! mean of 10 back-to-back replays per sample) of the standard step (GEMMs tuned as in `specula bench
+//! step`) and of the fused step and its variants (two CTAs per SM, no prefetch, barriers only, no
+//! attention) at
+//! 1/2/4/8 requests x 1/8 tokens, at `--context` cached positions; medians and P90 in a table, plus the
+//! fused-vs-standard logits difference of each setting.
+//!
+//! cargo build --release -p specula-experiments --features cuda --bin gpu_fused_check
+//! Usage: gpu_fused_check [--quick] [--no-cooperative]
+//!        gpu_fused_check --bench [--context N] [--samples N] [--no-tune] [--seed N] [--no-cooperative]
+
+use anyhow::{bail, Context, Result};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use specula_experiments::max_relative_error as max_rel;
+use specula_kernels::sampling::argmax;
+use specula_model::gpu::fused::{FusedMode, FusedOptions, StepBackend};
+use specula_model::gpu::{AttentionKernel, GpuOptions, GpuSeqInput, GpuTransformer, StepAblation};
+use specula_model::loader::load;
+use specula_model::random::{preset, random_transformer};
+use specula_model::{Arch, ModelConfig, PagedKvCache, SeqId, SeqInput, Transformer, WeightDtype};
+
+const LIMIT: f64 = 1e-2;
+
+#[derive(Default)]
+struct Tally {
+    worst: f64,
+    failures: Vec<String>,
+}
+
+impl Tally {
+    fn fail(&mut self, what: String) {
+        println!("    FAIL: {what}");
+        self.failures.push(what);
+    }
+}
+
+/// Aggregate over the steps of one scenario.
+#[derive(Default)]
+struct Agg {
+    fused_cpu: f64,
+    standard_cpu: f64,
+    fused_standard: f64,
+    bit_identical: bool,
+    rows: usize,
+    ids_fused_standard: usize,
+    ids_fused_cpu: usize,
+    steps: usize,
+    fused_steps: usize,
+    expected_fused: usize,
+    /// Tapped layers' outputs (when the scenario taps): max relative errors and bit-identity.
+    tapped: bool,
+    hidden_fused_cpu: f64,
+    hidden_fused_standard: f64,
+    hidden_bit_identical: bool,
+}
+
+impl Agg {
+    fn new() -> Agg {
+        Agg {
+            bit_identical: true,
+            hidden_bit_identical: true,
+            ..Default::default()
+        }
+    }
+
+    fn add_hidden(&mut self, f: &[Vec<f32>], s: &[Vec<f32>], c: &[Vec<f32>]) {
+        if c.is_empty() {
+            return;
+        }
+        self.tapped = true;
+        if f.len() != c.len() || s.len() != c.len() {
+            self.hidden_fused_cpu = f64::INFINITY;
+            return;
+        }
+        for ((f, s), c) in f.iter().zip(s).zip(c) {
+            self.hidden_fused_cpu = self.hidden_fused_cpu.max(max_rel(f, c));
+            self.hidden_fused_standard = self.hidden_fused_standard.max(max_rel(f, s));
+            self.hidden_bit_identical &=
+                f.len() == s.len() && f.iter().zip(s).all(|(a, b)| a.to_bits() == b.to_bits());
+        }
+    }
+
+    fn add(&mut self, f: &[f32], s: &[f32], c: &[f32], vocab: usize) {
+        self.fused_cpu = self.fused_cpu.max(max_rel(f, c));
+        self.standard_cpu = self.standard_cpu.max(max_rel(s, c));
+        self.fused_standard = self.fused_standard.max(max_rel(f, s));
+        self.bit_identical &=
+            f.len() == s.len() && f.iter().zip(s).all(|(a, b)| a.to_bits() == b.to_bits());
+        for ((fr, sr), cr) in f.chunks(vocab).zip(s.chunks(vocab)).zip(c.chunks(vocab)) {
+            let (fi, si, ci) = (
+                argmax(fr).unwrap_or(u32::MAX),
+                argmax(sr).unwrap_or(u32::MAX),
+                argmax(cr).unwrap_or(u32::MAX),
+            );
+            self.ids_fused_standard += usize::from(fi != si);
+            self.ids_fused_cpu += usize::from(fi != ci);
+            self.rows += 1;
+        }
+    }
+
+    fn report(&self, tally: &mut Tally, what: &str) {
+        let mut errs = vec![self.fused_cpu, self.standard_cpu, self.fused_standard];
+        if self.tapped {
+            errs.extend([self.hidden_fused_cpu, self.hidden_fused_standard]);
+            println!(
+                "  {what:<52} tapped layers: fused~cpu {:.2e} fused~std {:.2e} {}",
+                self.hidden_fused_cpu,
+                self.hidden_fused_standard,
+                if self.hidden_bit_identical {
+                    "bit-identical"
+                } else {
+                    "not bit-identical"
+                }
+            );
+        }
+        let ok = errs.iter().all(|e| e.is_finite() && *e <= LIMIT);
+        println!(
+            "  {what:<52} fused~cpu {:.2e} std~cpu {:.2e} fused~std {:.2e} {} | ids fused/std differ {}/{} rows, fused/cpu {} | fused {}/{} steps (expected {}) {}",
+            self.fused_cpu,
+            self.standard_cpu,
+            self.fused_standard,
+            if self.bit_identical { "bit-identical" } else { "not bit-identical" },
+            self.ids_fused_standard,
+            self.rows,
+            self.ids_fused_cpu,
+            self.fused_steps,
+            self.steps,
+            self.expected_fused,
+            if ok && self.fused_steps == self.expected_fused { "ok" } else { "FAIL" },
+        );
+        for e in errs {
+            tally.worst = tally
+                .worst
+                .max(if e.is_finite() { e } else { f64::INFINITY });
+        }
+        if !ok {
+            tally
+                .failures
+                .push(format!("{what}: logits over the limit"));
+        }
+        if self.fused_steps != self.expected_fused {
+            tally.failures.push(format!(
+                "{what}: the fused kernel ran {} of {} steps, expected {}",
+                self.fused_steps, self.steps, self.expected_fused
+            ));
+        }
+    }
+}
+
+/// One step's logits (and tapped layers' outputs) on each path.
+struct StepLogits {
+    fused: Vec<f32>,
+    standard: Vec<f32>,
+    cpu: Vec<f32>,
+    fused_hidden: Vec<Vec<f32>>,
+    standard_hidden: Vec<Vec<f32>>,
+    cpu_hidden: Vec<Vec<f32>>,
+    /// Whether the fused backend's run actually took the fused kernel.
+    fused_ran: bool,
+}
+
+/// The CPU model and cache and the GPU model, stepped together.
+struct Pair<'a> {
+    cpu: &'a Transformer,
+    cache: PagedKvCache,
+    gpu: &'a mut GpuTransformer,
+    /// Layers every step taps (the outputs are compared too), as a DSpark drafter asks.
+    taps: Vec<usize>,
+}
+
+impl Pair<'_> {
+    /// One step of `blocks[i]` new tokens for sequence i (logits for the last `nl[i]`), fused then
+    /// standard on the same GPU state, then on the CPU.
+    fn step(
+        &mut self,
+        cseqs: &[SeqId],
+        gseqs: &[usize],
+        blocks: &[&[u32]],
+        nl: &[usize],
+    ) -> Result<StepLogits> {
+        let inputs: Vec<GpuSeqInput> = gseqs
+            .iter()
+            .zip(blocks)
+            .zip(nl)
+            .map(|((&seq, &tokens), &num_logits)| GpuSeqInput {
+                seq,
+                tokens,
+                num_logits,
+            })
+            .collect();
+        let starts: Vec<usize> = gseqs
+            .iter()
+            .map(|&s| self.gpu.seq_len(s))
+            .collect::<Result<_, _>>()?;
+        self.gpu.set_step_backend(StepBackend::LatencySpecialized)?;
+        let f = self.gpu.forward_tapped(&inputs, &self.taps)?;
+        let fused = self.gpu.last_step_fused();
+        for (&s, &start) in gseqs.iter().zip(&starts) {
+            self.gpu.truncate(s, start)?;
+        }
+        self.gpu.set_step_backend(StepBackend::Standard)?;
+        let s = self.gpu.forward_tapped(&inputs, &self.taps)?;
+        let cin: Vec<SeqInput> = cseqs
+            .iter()
+            .zip(blocks)
+            .zip(nl)
+            .map(|((&seq, &tokens), &num_logits)| SeqInput {
+                seq,
+                tokens,
+                num_logits,
+            })
+            .collect();
+        let c = self.cpu.forward(&mut self.cache, &cin, &self.taps)?;
+        Ok(StepLogits {
+            fused: f.logits,
+            standard: s.logits,
+            cpu: c.logits,
+            fused_hidden: f.hidden,
+            standard_hidden: s.hidden,
+            cpu_hidden: c.hidden,
+            fused_ran: fused,
+        })
+    }
+
+    /// `step` and its aggregate, with the expectation of whether the fused kernel takes it.
+    #[allow(clippy::too_many_arguments)]
+    fn step_into(
+        &mut self,
+        agg: &mut Agg,
+        cseqs: &[SeqId],
+        gseqs: &[usize],
+        blocks: &[&[u32]],
+        nl: &[usize],
+        expect_fused: bool,
+    ) -> Result<Vec<f32>> {
+        let r = self.step(cseqs, gseqs, blocks, nl)?;
+        agg.add(&r.fused, &r.standard, &r.cpu, self.cpu.config.vocab_size);
+        agg.add_hidden(&r.fused_hidden, &r.standard_hidden, &r.cpu_hidden);
+        agg.steps += 1;
+        agg.fused_steps += usize::from(r.fused_ran);
+        agg.expected_fused += usize::from(expect_fused);
+        Ok(r.cpu)
+    }
+
+    /// Rolls sequence i back to `start_i + 1 + r` positions, r seeded in 0..t (a verify step's
+    /// accepted prefix), on both sides.
+    fn rollback(
+        &mut self,
+        cseqs: &[SeqId],
+        gseqs: &[usize],
+        starts: &[usize],
+        t: usize,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<()> {
+        for ((&c, &g), &start) in cseqs.iter().zip(gseqs).zip(starts) {
+            let keep = start + 1 + rng.random_range(0..t);
+            self.cache.truncate(c, keep)?;
+            self.gpu.truncate(g, keep)?;
+        }
+        Ok(())
+    }
+}
+
+fn random_tokens(rng: &mut ChaCha8Rng, vocab: usize, n: usize) -> Vec<u32> {
+    (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
+}
+
+/// Every scenario on one model; leaves the GPU model without sequences.
+fn check_model(
+    tally: &mut Tally,
+    cpu: &Transformer,
+    gpu: &mut GpuTransformer,
+    quick: bool,
+) -> Result<()> {
+    let vocab = cpu.config.vocab_size;
+    let mut rng = ChaCha8Rng::seed_from_u64(17);
+    let mut p = Pair {
+        cpu,
+        cache: cpu.new_cache(16384),
+        gpu,
+        taps: Vec::new(),
+    };
+
+    // One sequence.
+    let seq = p.cache.add_sequence();
+    let gseq = p.gpu.add_sequence()?;
+    let prompt = random_tokens(&mut rng, vocab, 18);
+    let mut agg = Agg::new();
+    let c = p.step_into(&mut agg, &[seq], &[gseq], &[&prompt], &[18], false)?;
+    agg.report(tally, "prompt of 18 tokens, all logits (fallback)");
+    let mut last = c[17 * vocab..].to_vec();
+    let mut agg = Agg::new();
+    let steps = if quick { 12 } else { 32 };
+    for _ in 0..steps {
+        let t = argmax(&last)?;
+        last = p.step_into(&mut agg, &[seq], &[gseq], &[&[t]], &[1], true)?;
+    }
+    agg.report(tally, &format!("{steps} greedy 1-token steps (graph)"));
+    let block = random_tokens(&mut rng, vocab, 8);
+    let len = p.cache.len(seq)?;
+    let mut agg = Agg::new();
+    let _ = p.step_into(&mut agg, &[seq], &[gseq], &[&block], &[8], true)?;
+    agg.report(tally, "8-token verify block (graph)");
+    // The greedy ids of the fused step as the engine reads them (argmax_rows after fused_forward).
+    p.cache.truncate(seq, len)?;
+    p.gpu.truncate(gseq, len)?;
+    p.gpu.set_step_backend(StepBackend::LatencySpecialized)?;
+    let inputs = [GpuSeqInput {
+        seq: gseq,
+        tokens: &block,
+        num_logits: 8,
+    }];
+    let ids = p.gpu.step_argmax(&inputs)?;
+    p.gpu.truncate(gseq, len)?;
+    let logits = p.gpu.forward(&inputs)?.logits;
+    let host: Vec<u32> = logits.chunks(vocab).map(argmax).collect::<Result<_, _>>()?;
+    println!(
+        "  {:<52} {}",
+        "fused step_argmax ids = host argmax of fused logits",
+        if ids == host { "ok" } else { "FAIL" }
+    );
+    if ids != host {
+        tally.fail(format!("fused step_argmax {ids:?} vs host argmax {host:?}"));
+    }
+    p.gpu.set_step_backend(StepBackend::Standard)?;
+    p.gpu.truncate(gseq, len)?;
+    p.gpu.remove_sequence(gseq)?;
+    p.cache.remove_sequence(seq)?;
+
+    // Eight sequences of different lengths (one to four attention key slices; long rows with several
+    // 256-key tiles where the context allows).
+    let room = cpu.config.max_position_embeddings.min(2048) - 40;
+    let lens = [5usize, 33, 300, 1400, 9, 17, 64, 130].map(|n| n.min(room));
+    let cseqs: Vec<SeqId> = lens.iter().map(|_| p.cache.add_sequence()).collect();
+    let gseqs: Vec<usize> = lens
+        .iter()
+        .map(|_| p.gpu.add_sequence())
+        .collect::<Result<_, _>>()?;
+    let prompts: Vec<Vec<u32>> = lens
+        .iter()
+        .map(|&n| random_tokens(&mut rng, vocab, n))
+        .collect();
+    let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    let nl = [2usize, 1, 3, 1, 1, 1, 1, 1];
+    let mut agg = Agg::new();
+    let _ = p.step_into(&mut agg, &cseqs, &gseqs, &refs, &nl, false)?;
+    agg.report(tally, "8 prompts of 5..1400 tokens (prefill fallback)");
+
+    let four = [0usize, 1, 2, 3];
+    let blocks: Vec<Vec<u32>> = [1usize, 3, 8, 16]
+        .iter()
+        .map(|&n| random_tokens(&mut rng, vocab, n))
+        .collect();
+    let refs: Vec<&[u32]> = blocks.iter().map(Vec::as_slice).collect();
+    let nl: Vec<usize> = blocks.iter().map(Vec::len).collect();
+    let cs: Vec<SeqId> = four.iter().map(|&i| cseqs[i]).collect();
+    let gs: Vec<usize> = four.iter().map(|&i| gseqs[i]).collect();
+    let mut agg = Agg::new();
+    let _ = p.step_into(&mut agg, &cs, &gs, &refs, &nl, true)?;
+    agg.report(tally, "mixed step: 1, 3, 8, 16 tokens, all logits (direct)");
+
+    let rounds = if quick { 2 } else { 4 };
+    let last = cpu.config.num_layers - 1;
+    let nine: Vec<usize> = (0..9).map(|i| i % cpu.config.num_layers).collect();
+    let none: Vec<usize> = Vec::new();
+    for (label, which, t, taps, expect_fused) in [
+        (
+            "verify 3 seqs x 8 tokens (bucket 4, padded)",
+            vec![0usize, 2, 3],
+            8usize,
+            none.clone(),
+            true,
+        ),
+        (
+            "verify 8 seqs x 16 tokens (128 rows)",
+            (0..8).collect(),
+            16,
+            none.clone(),
+            true,
+        ),
+        (
+            "verify 5 seqs x 4 tokens (bucket 8, padded)",
+            vec![1, 3, 4, 6, 7],
+            4,
+            none.clone(),
+            true,
+        ),
+        (
+            "decode 8 seqs x 1 token",
+            (0..8).collect(),
+            1,
+            none.clone(),
+            true,
+        ),
+        // As a DSpark drafter asks: tapped layers in any order, repeated.
+        (
+            "verify 3 x 8 tokens, tapped layers [last, 0, last]",
+            vec![0, 2, 3],
+            8,
+            vec![last, 0, last],
+            true,
+        ),
+        (
+            "decode 4 x 1 token, 9 tapped layers (fallback)",
+            vec![0, 1, 2, 3],
+            1,
+            nine.clone(),
+            false,
+        ),
+    ] {
+        p.gpu.reserve_tapped_layers(taps.len())?;
+        p.taps = taps;
+        let cs: Vec<SeqId> = which.iter().map(|&i| cseqs[i]).collect();
+        let gs: Vec<usize> = which.iter().map(|&i| gseqs[i]).collect();
+        let mut agg = Agg::new();
+        for _ in 0..rounds {
+            let blocks: Vec<Vec<u32>> = which
+                .iter()
+                .map(|_| random_tokens(&mut rng, vocab, t))
+                .collect();
+            let refs: Vec<&[u32]> = blocks.iter().map(Vec::as_slice).collect();
+            let starts: Vec<usize> = cs
+                .iter()
+                .map(|&s| p.cache.len(s))
+                .collect::<Result<_, _>>()?;
+            let nl = vec![t; which.len()];
+            let _ = p.step_into(&mut agg, &cs, &gs, &refs, &nl, expect_fused)?;
+            p.rollback(&cs, &gs, &starts, t, &mut rng)?;
+        }
+        agg.report(tally, &format!("{label}, {rounds} rounds, rollback"));
+    }
+    p.taps.clear();
+    for (&c, &g) in cseqs.iter().zip(&gseqs) {
+        if p.cache.len(c)? != p.gpu.seq_len(g)? {
+            bail!("cache lengths differ after rollback");
+        }
+        p.gpu.remove_sequence(g)?;
+    }
+    Ok(())
+}
+
+fn tiny(arch: Arch, attention_bias: bool) -> Result<ModelConfig> {
+    let mut c = preset(match arch {
+        Arch::Llama => "llama3.2-1b",
+        _ => "qwen2.5-coder-1.5b",
+    })?;
+    c.arch = arch;
+    c.hidden_size = 128;
+    c.num_layers = 3;
+    c.num_heads = 4;
+    c.num_kv_heads = 2;
+    c.head_dim = 64;
+    c.intermediate_size = 352;
+    c.vocab_size = 1000;
+    if attention_bias {
+        c.qkv_bias = true;
+        c.o_bias = true;
+    }
+    if arch == Arch::Qwen3 {
+        c.qkv_bias = false;
+        c.qk_norm = true;
+        c.head_dim = 32;
+        c.tie_word_embeddings = false;
+    }
+    Ok(c)
+}
+
+/// Every variant of the check on one model.
+fn check_variants(
+    tally: &mut Tally,
+    name: &str,
+    cpu: &Transformer,
+    gpu: &mut GpuTransformer,
+    quick: bool,
+    non_cooperative: bool,
+    cooperative: bool,
+) -> Result<()> {
+    gpu.set_step_backend(StepBackend::LatencySpecialized)?;
+    if let Some(i) = gpu.fused_info() {
+        println!(
+            "{name}: {} grid {} x {} threads, {} B dynamic shared memory, {} CTA(s) per SM fit, {} SMs, whole-row attention {}",
+            i.kernel, i.grid, i.threads, i.smem_bytes, i.blocks_per_sm, i.num_sms, i.whole_row_attention
+        );
+    }
+    gpu.set_step_backend(StepBackend::Standard)?;
+    let mut variants = vec![
+        (
+            "fused default / standard Auto attention",
+            FusedOptions::default(),
+            AttentionKernel::Auto,
+        ),
+        (
+            "fused 5 CTAs, no prefetch / standard Split attention",
+            FusedOptions {
+                grid: Some(5),
+                prefetch_bytes: 0,
+                ..Default::default()
+            },
+            AttentionKernel::Split,
+        ),
+        (
+            "fused 2 CTAs per SM / standard WholeRow attention (both)",
+            FusedOptions {
+                ctas_per_sm: 2,
+                ..Default::default()
+            },
+            AttentionKernel::WholeRow,
+        ),
+    ];
+    if non_cooperative {
+        variants.push((
+            "fused non-cooperative launch / standard Auto attention",
+            FusedOptions {
+                cooperative: false,
+                ..Default::default()
+            },
+            AttentionKernel::Auto,
+        ));
+    }
+    for (label, opts, attention) in variants {
+        println!("{name}, {label}:");
+        // --no-cooperative: every fused launch without the attribute.
+        let opts = FusedOptions {
+            cooperative: opts.cooperative && cooperative,
+            ..opts
+        };
+        gpu.set_fused_options(opts)?;
+        gpu.set_ablation(StepAblation {
+            attention,
+            ..Default::default()
+        });
+        if let Some(i) = gpu.fused_info() {
+            println!(
+                "  ({}, grid {}, {} B shared)",
+                i.kernel, i.grid, i.smem_bytes
+            );
+        }
+        check_model(tally, cpu, gpu, quick)?;
+    }
+    println!(
+        "  fused steps {}, fallbacks {:?}, graph error {:?}",
+        gpu.fused_steps(),
+        gpu.fused_fallbacks(),
+        gpu.graph_error()
+    );
+    if let Some(e) = gpu.graph_error() {
+        tally.fail(format!("{name}: CUDA graph capture failed: {e}"));
+    }
+    Ok(())
+}
+
+fn check(quick: bool, cooperative: bool) -> Result<()> {
+    let mut tally = Tally::default();
+    let opts = GpuOptions {
+        max_sequences: 8,
+        max_positions: 2048,
+        max_rows: 128,
+        ..Default::default()
+    };
+    for (i, path) in ["models/default/target", "models/default/draft"]
+        .into_iter()
+        .enumerate()
+    {
+        let loaded =
+            load(path.as_ref(), WeightDtype::Bf16).with_context(|| format!("loading {path}"))?;
+        let mut gpu = GpuTransformer::upload(&loaded.model, opts.clone())?;
+        println!("GPU {} ({})", gpu.device.name, gpu.device.arch);
+        check_variants(
+            &mut tally,
+            path,
+            &loaded.model,
+            &mut gpu,
+            quick,
+            i == 0,
+            cooperative,
+        )?;
+    }
+    for (name, arch, bias, seed) in [
+        (
+            "random tiny llama (llama3 rope scaling, tied)",
+            Arch::Llama,
+            false,
+            11u64,
+        ),
+        (
+            "random tiny llama with attention bias (qkv + o bias)",
+            Arch::Llama,
+            true,
+            14,
+        ),
+        ("random tiny qwen2 (qkv bias, tied)", Arch::Qwen2, false, 12),
+        (
+            "random tiny qwen3 (q/k norm, untied)",
+            Arch::Qwen3,
+            false,
+            13,
+        ),
+    ] {
+        let config = tiny(arch, bias)?;
+        let cpu = random_transformer(config.clone(), seed)?;
+        let mut gpu = GpuTransformer::random(config, seed, opts.clone())?;
+        check_variants(&mut tally, name, &cpu, &mut gpu, quick, false, cooperative)?;
+    }
+    println!(
+        "worst relative error {:.3e} (limit {LIMIT:.0e}); {} failures",
+        tally.worst,
+        tally.failures.len()
+    );
+    if !tally.failures.is_empty() {
+        bail!("failed: {}", tally.failures.join("; "));
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------------
+// --bench
+
+struct BenchArgs {
+    cooperative: bool,
+    context: usize,
+    samples: usize,
+    tune: bool,
+    seed: u64,
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+/// Device-to-device copy bandwidth (bytes read + written per second), CUDA events, median of 20.
+fn copy_bandwidth(gpu: &GpuTransformer) -> Result<f64> {
+    let s = gpu.device.stream.clone();
+    let bytes = 1usize << 30;
+    let src = s.alloc_zeros::<u8>(bytes)?;
+    let mut dst = s.alloc_zeros::<u8>(bytes)?;
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let (a, b) = (
+        gpu.device.ctx.new_event(flags)?,
+        gpu.device.ctx.new_event(flags)?,
+    );
+    for _ in 0..3 {
+        s.memcpy_dtod(&src, &mut dst)?;
+    }
+    let mut ms = Vec::new();
+    for _ in 0..20 {
+        a.record(&s)?;
+        s.memcpy_dtod(&src, &mut dst)?;
+        b.record(&s)?;
+        ms.push(a.elapsed_ms(&b)? as f64);
+    }
+    ms.sort_by(f64::total_cmp);
+    Ok(2.0 * bytes as f64 / (percentile(&ms, 0.5) * 1e-3) / 1e12)
+}
+
+struct Variant {
+    name: &'static str,
+    backend: StepBackend,
+    opts: FusedOptions,
+}
+
+fn bench(args: BenchArgs) -> Result<()> {
+    let config = preset("llama3.2-1b")?;
+    let opts = GpuOptions {
+        max_sequences: 8,
+        max_positions: (args.context + 64).next_multiple_of(16),
+        max_rows: 512,
+        ..Default::default()
+    };
+    let mut gpu = GpuTransformer::random(config.clone(), args.seed, opts)?;
+    println!("GPU {} ({})", gpu.device.name, gpu.device.arch);
+    if args.tune {
+        // As `specula bench step`: the standard step's GEMM backend per shape, measured.
+        gpu.tune_linear_layers(&[8, 16, 32, 64], 20)?;
+    }
+    gpu.set_step_backend(StepBackend::LatencySpecialized)?;
+    let info = gpu
+        .fused_info()
+        .context("the fused kernel was not built for llama3.2-1b")?;
+    let bw = copy_bandwidth(&gpu)?;
+    let floor_ms = gpu.weight_bytes() as f64 / (bw * 1e12) * 1e3;
+    println!(
+        "fused kernel: grid {} x {} threads, {} B dynamic shared memory, {} CTA(s)/SM fit; weights {:.1} MB, copy bandwidth {:.2} TB/s, weight floor {:.3} ms",
+        info.grid,
+        info.threads,
+        info.smem_bytes,
+        info.blocks_per_sm,
+        gpu.weight_bytes() as f64 / 1e6,
+        bw,
+        floor_ms
+    );
+    let fused = FusedOptions {
+        cooperative: args.cooperative,
+        ..Default::default()
+    };
+    let variants = [
+        Variant {
+            name: "standard",
+            backend: StepBackend::Standard,
+            opts: fused,
+        },
+        Variant {
+            name: "fused",
+            backend: StepBackend::LatencySpecialized,
+            opts: fused,
+        },
+        Variant {
+            name: "fused, 2 CTAs/SM",
+            backend: StepBackend::LatencySpecialized,
+            opts: FusedOptions {
+                ctas_per_sm: 2,
+                ..fused
+            },
+        },
+        Variant {
+            name: "fused, no L2 prefetch",
+            backend: StepBackend::LatencySpecialized,
+            opts: FusedOptions {
+                prefetch_bytes: 0,
+                ..fused
+            },
+        },
+        Variant {
+            name: "fused, barriers only",
+            backend: StepBackend::LatencySpecialized,
+            opts: FusedOptions {
+                mode: FusedMode::BarriersOnly,
+                ..fused
+            },
+        },
+        Variant {
+            name: "fused, no attention",
+            backend: StepBackend::LatencySpecialized,
+            opts: FusedOptions {
+                mode: FusedMode::SkipAttention,
+                ..fused
+            },
+        },
+    ];
+    let vocab = config.vocab_size;
+    let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
+    // (b, t, per variant (median, p90), fused vs standard logits)
+    let mut table = Vec::new();
+    for &b in &[1usize, 2, 4, 8] {
+        for &t in &[1usize, 8] {
+            gpu.set_step_backend(StepBackend::Standard)?;
+            let seqs: Vec<usize> = (0..b)
+                .map(|_| gpu.add_sequence())
+                .collect::<Result<_, _>>()?;
+            for &s in &seqs {
+                let prompt = random_tokens(&mut rng, vocab, args.context);
+                gpu.forward(&[GpuSeqInput {
+                    seq: s,
+                    tokens: &prompt,
+                    num_logits: 1,
+                }])?;
+            }
+            let blocks: Vec<Vec<u32>> = seqs
+                .iter()
+                .map(|_| random_tokens(&mut rng, vocab, t))
+                .collect();
+            let inputs: Vec<GpuSeqInput> = seqs
+                .iter()
+                .zip(&blocks)
+                .map(|(&seq, tokens)| GpuSeqInput {
+                    seq,
+                    tokens,
+                    num_logits: t,
+                })
+                .collect();
+            let mut times = Vec::new();
+            let mut logits: Vec<Vec<f32>> = Vec::new();
+            for v in &variants {
+                gpu.set_step_backend(v.backend)?;
+                if v.backend == StepBackend::LatencySpecialized {
+                    gpu.set_fused_options(v.opts)?;
+                }
+                // The step itself (captures the graph), then back-to-back replays of it.
+                let out = gpu.forward(&inputs)?.logits;
+                let fused_ran = gpu.last_step_fused();
+                if fused_ran != (v.backend == StepBackend::LatencySpecialized) {
+                    bail!("{}: the fused kernel ran: {fused_ran}", v.name);
+                }
+                let mut samples = gpu
+                    .time_graph_replays(b, t, t, args.samples)?
+                    .with_context(|| format!("{}: no graph for {b} x {t}", v.name))?;
+                samples.sort_by(f64::total_cmp);
+                times.push((percentile(&samples, 0.5), percentile(&samples, 0.9)));
+                logits.push(out);
+                for &s in &seqs {
+                    gpu.truncate(s, args.context)?;
+                }
+            }
+            let diff = max_rel(&logits[1], &logits[0]);
+            println!(
+                "{b} x {t}: standard {:.3} ms, fused {:.3} ms ({:.2}x), fused vs standard logits {diff:.2e}",
+                times[0].0,
+                times[1].0,
+                times[0].0 / times[1].0
+            );
+            table.push((b, t, times, diff));
+            for s in seqs {
+                gpu.remove_sequence(s)?;
+            }
+        }
+    }
+    gpu.set_step_backend(StepBackend::Standard)?;
+    gpu.set_fused_options(FusedOptions::default())?;
+    println!(
+        "\nllama3.2-1b, {} cached positions per sequence, device time per graph replay, median (P90) ms over {} samples of 10 replays; standard GEMMs {}",
+        args.context,
+        args.samples,
+        if args.tune { "tuned" } else { "untuned (skinny)" }
+    );
+    print!("| requests | tokens |");
+    for v in &variants {
+        print!(" {} |", v.name);
+    }
+    println!(" standard / fused | fused~standard logits |");
+    print!("|---:|---:|");
+    for _ in &variants {
+        print!("---:|");
+    }
+    println!("---:|---:|");
+    for (b, t, times, diff) in &table {
+        print!("| {b} | {t} |");
+        for (m, p90) in times {
+            print!(" {m:.3} ({p90:.3}) |");
+        }
+        println!(" {:.2}x | {diff:.1e} |", times[0].0 / times[1].0);
+    }
+    println!(
+        "targets (issue 6): fused >= 1.8x the standard step at 1-8 requests; <= 0.80 ms at 1 request. Weight floor {floor_ms:.3} ms. Fused barrier cost ~ the 'barriers only' column ({} barriers per step).",
+        8 * config.num_layers + 1
+    );
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let value = |name: &str| -> Result<Option<u64>> {
+        match args.iter().position(|a| a == name) {
+            Some(i) => Ok(Some(
+                args.get(i + 1)
+                    .with_context(|| format!("{name} needs a value"))?
+                    .parse()
+                    .with_context(|| format!("{name} needs a number"))?,
+            )),
+            None => Ok(None),
+        }
+    };
+    // Fused launches without CU_LAUNCH_ATTRIBUTE_COOPERATIVE (should graph capture refuse it).
+    let cooperative = !args.iter().any(|a| a == "--no-cooperative");
+    if args.iter().any(|a| a == "--bench") {
+        return bench(BenchArgs {
+            context: value("--context")?.unwrap_or(256) as usize,
+            samples: value("--samples")?.unwrap_or(30) as usize,
+            tune: !args.iter().any(|a| a == "--no-tune"),
+            seed: value("--seed")?.unwrap_or(7),
+            cooperative,
+        });
+    }
+    check(args.iter().any(|a| a == "--quick"), cooperative)
+}

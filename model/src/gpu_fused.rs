@@ -1,0 +1,940 @@
+//! The `latency_specialized` decode backend (issue 6), v0: a decode/verify step of the GPU forward as
+//! ONE persistent kernel launch (`fused_forward`, `kernels/cuda/fused_step.cu`, whose top comment has
+//! the phase plan and the synchronisation), instead of the standard step's ~10 launches per layer.
+//!
+//! It runs on the same weights, paged KV cache and step buffers as the standard step
+//! (`GpuTransformer::encode`): `run` packs the step inputs exactly as before, then either launches the
+//! standard kernels or `fused_forward` followed by `argmax_rows`, and writes the logits where the
+//! standard step writes them. So the two can be run on identical state and compared
+//! (`experiments` `gpu_fused_check`), and the CUDA-graph scheme is unchanged: the graph key carries
+//! whether the fused kernel runs the shape, so each backend keeps its own graph per shape. Acceptance
+//! stays in the existing `verify_drafts` kernel (`specula_kernels::cuda::sampling`), launched by the
+//! caller right after the step on the same stream, as for the standard step.
+//!
+//! Selection: `set_step_backend(StepBackend::LatencySpecialized)` compiles the kernel (NVRTC, once) and
+//! checks that every CTA fits on the device at once. From then on each step that `supports` takes runs
+//! fused; the others (prompt chunks, more than 8 sequences or 16 tokens per sequence, more than 8
+//! tapped layers, a model outside the kernel's limits) run the standard step and are counted by
+//! `FallbackReason::kind` in `fused_fallbacks`, so the engine can report them. Tapped layers
+//! (`forward_on_device` / `forward_tapped`, for DSpark) land in the same buffer slots as on the
+//! standard step.
+//!
+//! Nothing here has run on a GPU yet (written without one); `experiments/fused/README.md` lists what is
+//! untested and the device commands.
+
+use super::{gpu, rows_cfg, GpuLayer, GpuSeqInput, GpuTransformer, MAX_GRAPH_TOKENS};
+use crate::config::{Arch, ModelConfig};
+use crate::ModelError;
+use cudarc::driver::{
+    sys, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
+};
+use specula_kernels::cuda::{co_resident_grid, launch, launch_with, KernelArg, LaunchOptions};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// Most sequences one fused step takes.
+pub const FUSED_MAX_SEQUENCES: usize = 8;
+/// Most new tokens per sequence one fused step takes (a verify block of 15 drafts).
+pub const FUSED_MAX_TOKENS: usize = 16;
+/// Most rows one fused step takes.
+pub const FUSED_MAX_ROWS: usize = FUSED_MAX_SEQUENCES * FUSED_MAX_TOKENS;
+/// Default L2 prefetch lead per CTA (fused_step.cu: ~17 MB in flight over 132 CTAs).
+pub const DEFAULT_PREFETCH_BYTES: usize = 128 << 10;
+
+const THREADS: u32 = 256;
+/// The GEMM tile's reduction scratch at 64 activation rows: 8 warps x 64 rows x 16 features, f32.
+const GEMM_SCRATCH_BYTES: usize = 8 * 64 * 16 * 4;
+/// Words (8 bytes) of fused_step.cu's `FusedLayer` and `FusedParams` (static_asserts there).
+const LAYER_WORDS: usize = 12;
+const PARAMS_WORDS: usize = 25;
+
+const _: () = assert!(FUSED_MAX_TOKENS <= MAX_GRAPH_TOKENS);
+
+/// Which kernels run a decode/verify step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum StepBackend {
+    /// The standard step: one launch per operation (cuBLAS or skinny GEMMs, attention by launch size).
+    #[default]
+    Standard,
+    /// One persistent kernel for the whole forward (fused_step.cu), where `supports` allows.
+    LatencySpecialized,
+}
+
+impl StepBackend {
+    pub fn name(self) -> &'static str {
+        match self {
+            StepBackend::Standard => "standard",
+            StepBackend::LatencySpecialized => "latency_specialized",
+        }
+    }
+}
+
+impl std::str::FromStr for StepBackend {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "standard" => Ok(StepBackend::Standard),
+            "latency_specialized" | "latency-specialized" | "fused" => {
+                Ok(StepBackend::LatencySpecialized)
+            }
+            other => Err(format!(
+                "unknown step backend {other:?} (standard, latency_specialized)"
+            )),
+        }
+    }
+}
+
+/// Why a step (or a model) runs on the standard step although the fused backend is selected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FallbackReason {
+    #[error("{what} = {value} is not a positive multiple of 32 (the fused GEMM tiles take K in 32-wide chunks)")]
+    Alignment { what: &'static str, value: usize },
+    #[error("head_dim {0}: the fused kernel needs a multiple of 32, at most 256")]
+    HeadDim(usize),
+    #[error("{0} query heads per KV head: the fused attention takes at most 8")]
+    GroupSize(usize),
+    #[error("a step without sequences")]
+    Empty,
+    #[error("{seqs} sequences in the step: the fused kernel takes at most {max}")]
+    TooManySequences { seqs: usize, max: usize },
+    #[error("{tokens} new tokens in one sequence: the fused kernel takes at most {max}")]
+    TooManyTokens { tokens: usize, max: usize },
+    #[error("a prompt chunk ({tokens} tokens, {num_logits} logits rows): prefill runs on the standard step")]
+    PrefillChunk { tokens: usize, num_logits: usize },
+    #[error("{taps} tapped layers (or a layer past 254): the fused kernel copies at most {max}")]
+    TappedLayers { taps: usize, max: usize },
+}
+
+impl FallbackReason {
+    /// A stable short name per variant (fallback counters, metrics labels).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            FallbackReason::Alignment { .. } => "alignment",
+            FallbackReason::HeadDim(_) => "head_dim",
+            FallbackReason::GroupSize(_) => "group_size",
+            FallbackReason::Empty => "empty",
+            FallbackReason::TooManySequences { .. } => "too_many_sequences",
+            FallbackReason::TooManyTokens { .. } => "too_many_tokens",
+            FallbackReason::PrefillChunk { .. } => "prefill_chunk",
+            FallbackReason::TappedLayers { .. } => "tapped_layers",
+        }
+    }
+}
+
+/// One sequence's part of a step, as far as backend selection cares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqShape {
+    pub tokens: usize,
+    pub num_logits: usize,
+}
+
+/// Whether the fused kernel computes this model at all.
+pub fn supports_model(c: &ModelConfig) -> Result<(), FallbackReason> {
+    // Every architecture the runtime has differs only in switches the kernel implements (qkv bias, o
+    // bias, q/k norm); a new variant must be looked at here.
+    match c.arch {
+        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => {}
+    }
+    for (what, value) in [
+        ("hidden_size", c.hidden_size),
+        ("q_dim", c.q_dim()),
+        ("intermediate_size", c.intermediate_size),
+    ] {
+        if value == 0 || !value.is_multiple_of(32) {
+            return Err(FallbackReason::Alignment { what, value });
+        }
+    }
+    if !c.head_dim.is_multiple_of(32) || c.head_dim == 0 || c.head_dim > 256 {
+        return Err(FallbackReason::HeadDim(c.head_dim));
+    }
+    let group = c.num_heads / c.num_kv_heads.max(1);
+    if group > 8 {
+        return Err(FallbackReason::GroupSize(group));
+    }
+    Ok(())
+}
+
+/// Whether the fused kernel takes a step of these sequences (padded sequences of a graph bucket
+/// included) on this model. A sequence that asks for fewer logits rows than it has tokens is a prompt
+/// chunk (decode and verify steps ask for every row).
+pub fn supports(c: &ModelConfig, seqs: &[SeqShape]) -> Result<(), FallbackReason> {
+    supports_model(c)?;
+    if seqs.is_empty() {
+        return Err(FallbackReason::Empty);
+    }
+    if seqs.len() > FUSED_MAX_SEQUENCES {
+        return Err(FallbackReason::TooManySequences {
+            seqs: seqs.len(),
+            max: FUSED_MAX_SEQUENCES,
+        });
+    }
+    for s in seqs {
+        if s.num_logits < s.tokens {
+            return Err(FallbackReason::PrefillChunk {
+                tokens: s.tokens,
+                num_logits: s.num_logits,
+            });
+        }
+        if s.tokens > FUSED_MAX_TOKENS {
+            return Err(FallbackReason::TooManyTokens {
+                tokens: s.tokens,
+                max: FUSED_MAX_TOKENS,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Most tapped layers one fused step copies out (one byte per slot in a 64-bit launch argument).
+pub const FUSED_MAX_TAPS: usize = 8;
+
+/// Whether the fused kernel can copy out these tapped layers (any order, repeats allowed).
+pub fn supports_taps(taps: &[usize]) -> Result<(), FallbackReason> {
+    if taps.len() > FUSED_MAX_TAPS || taps.iter().any(|&l| l > 254) {
+        return Err(FallbackReason::TappedLayers {
+            taps: taps.len(),
+            max: FUSED_MAX_TAPS,
+        });
+    }
+    Ok(())
+}
+
+/// fused_forward's `tap_layers` argument: slot s's layer in bits 8 s .. 8 s + 7 (`supports_taps` first).
+fn pack_taps(taps: &[usize]) -> u64 {
+    taps.iter()
+        .enumerate()
+        .fold(0u64, |acc, (s, &l)| acc | ((l as u64 & 0xff) << (8 * s)))
+}
+
+/// What the fused kernel does (timing variants; anything but `Full` leaves the outputs meaningless).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum FusedMode {
+    #[default]
+    Full,
+    /// Only the grid barriers (and the loop around them): their cost alone.
+    BarriersOnly,
+    /// Everything but the attention phase (its cost by difference).
+    SkipAttention,
+}
+
+impl FusedMode {
+    /// fused_step.cu's launch flags (FUSED_SKIP_WORK = 1, FUSED_SKIP_ATTENTION = 2).
+    fn flags(self) -> i32 {
+        // FUSED_WHOLE_ROW_ATTENTION = 4 is added per launch shape by encode_fused.
+        match self {
+            FusedMode::Full => 0,
+            FusedMode::BarriersOnly => 1,
+            FusedMode::SkipAttention => 2,
+        }
+    }
+}
+
+/// Launch settings of the fused kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FusedOptions {
+    /// 1: `fused_forward` (up to 255 registers per thread, one CTA per SM); 2: `fused_forward_x2`
+    /// (at most 128 registers, two CTAs per SM: more warps for the latency-bound phases).
+    pub ctas_per_sm: u32,
+    /// CTAs (None: `ctas_per_sm` per SM). Fewer is allowed (tests of the work distribution).
+    pub grid: Option<u32>,
+    /// L2 prefetch lead per CTA in bytes (0: no prefetch).
+    pub prefetch_bytes: usize,
+    /// Launch with `CU_LAUNCH_ATTRIBUTE_COOPERATIVE` (co-residency guaranteed by the driver). Without
+    /// it the grid barrier relies on the occupancy check and on nothing else running on the GPU.
+    pub cooperative: bool,
+    pub mode: FusedMode,
+}
+
+impl Default for FusedOptions {
+    fn default() -> Self {
+        FusedOptions {
+            ctas_per_sm: 1,
+            grid: None,
+            prefetch_bytes: DEFAULT_PREFETCH_BYTES,
+            cooperative: true,
+            mode: FusedMode::Full,
+        }
+    }
+}
+
+/// How the fused kernel was set up on this device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FusedInfo {
+    /// The entry point: `fused_forward` or `fused_forward_x2`.
+    pub kernel: &'static str,
+    pub grid: u32,
+    pub threads: u32,
+    pub smem_bytes: u32,
+    /// CTAs of the kernel that fit on one SM (occupancy calculator).
+    pub blocks_per_sm: u32,
+    pub num_sms: u32,
+    /// Whether the dynamic shared memory holds attention_gqa's buffer, so that launches the standard
+    /// step gives whole-row attention get it in the fused kernel too.
+    pub whole_row_attention: bool,
+}
+
+/// The compiled kernel and its device-side parameters for one `GpuTransformer`.
+struct FusedStep {
+    module: Arc<CudaModule>,
+    /// The entry point for `FusedOptions::ctas_per_sm`.
+    func: CudaFunction,
+    /// `FusedParams` (device addresses and sizes), read by every CTA at kernel start.
+    params: CudaSlice<u64>,
+    /// `FusedLayer` per layer; `params` points at it.
+    _layers: CudaSlice<u64>,
+    /// Grid barrier words ([0] count, [32] generation); zero at allocation, count 0 between launches.
+    _barrier: CudaSlice<u32>,
+    info: FusedInfo,
+}
+
+/// The backend selection and the fused kernel's state inside a `GpuTransformer`.
+#[derive(Default)]
+pub struct FusedState {
+    backend: StepBackend,
+    opts: FusedOptions,
+    step: Option<FusedStep>,
+    /// Set by `run` for the step being launched (and captured).
+    this_step: bool,
+    fused_steps: u64,
+    fallbacks: BTreeMap<&'static str, u64>,
+}
+
+impl FusedState {
+    /// Whether the step `run` is launching now goes through the fused kernel.
+    pub(super) fn runs_this_step(&self) -> bool {
+        self.this_step
+    }
+}
+
+/// Host image of fused_step.cu's `FusedParams`: 19 device addresses, then 10 ints and 2 floats of 4
+/// bytes, packed two per word (little-endian: the first in the low half), in the struct's order.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct FusedParamsHost {
+    layers: u64,
+    embed: u64,
+    final_norm: u64,
+    lm_head: u64,
+    inv_freq: u64,
+    tokens: u64,
+    positions: u64,
+    slots: u64,
+    row_table: u64,
+    logit_rows: u64,
+    block_tables: u64,
+    x: u64,
+    act16: u64,
+    qkv: u64,
+    ffn_act16: u64,
+    logits: u64,
+    attn_partials: u64,
+    attn_counters: u64,
+    barrier: u64,
+    n_layers: i32,
+    hidden: i32,
+    n_heads: i32,
+    n_kv_heads: i32,
+    head_dim: i32,
+    ffn: i32,
+    vocab: i32,
+    max_blocks: i32,
+    block_size: i32,
+    prefetch_bytes: i32,
+    eps: f32,
+    scale: f32,
+}
+
+impl FusedParamsHost {
+    fn words(&self) -> Vec<u64> {
+        let mut w = vec![
+            self.layers,
+            self.embed,
+            self.final_norm,
+            self.lm_head,
+            self.inv_freq,
+            self.tokens,
+            self.positions,
+            self.slots,
+            self.row_table,
+            self.logit_rows,
+            self.block_tables,
+            self.x,
+            self.act16,
+            self.qkv,
+            self.ffn_act16,
+            self.logits,
+            self.attn_partials,
+            self.attn_counters,
+            self.barrier,
+        ];
+        let small: [u32; 12] = [
+            self.n_layers as u32,
+            self.hidden as u32,
+            self.n_heads as u32,
+            self.n_kv_heads as u32,
+            self.head_dim as u32,
+            self.ffn as u32,
+            self.vocab as u32,
+            self.max_blocks as u32,
+            self.block_size as u32,
+            self.prefetch_bytes as u32,
+            self.eps.to_bits(),
+            self.scale.to_bits(),
+        ];
+        w.extend(
+            small
+                .chunks(2)
+                .map(|p| u64::from(p[0]) | (u64::from(p[1]) << 32)),
+        );
+        w
+    }
+}
+
+/// The entry point compiled for `ctas_per_sm` CTAs per SM (its register budget).
+fn kernel_for(ctas_per_sm: u32) -> Result<&'static str, ModelError> {
+    match ctas_per_sm {
+        1 => Ok("fused_forward"),
+        2 => Ok("fused_forward_x2"),
+        n => Err(ModelError::InvalidRequest(format!(
+            "fused step: {n} CTAs per SM (the kernel is compiled for 1 or 2)"
+        ))),
+    }
+}
+
+fn addr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    // Event tracking is off in GpuDevice, so taking the address records nothing.
+    let (p, _sync) = s.device_ptr(stream);
+    p
+}
+
+/// fused_step.cu's `FusedLayer`, in its field order (0 for absent tensors).
+fn layer_words(l: &GpuLayer, s: &CudaStream) -> [u64; LAYER_WORDS] {
+    let opt = |v: &Option<CudaSlice<f32>>| v.as_ref().map_or(0, |v| addr(v, s));
+    [
+        addr(&l.attn_norm, s),
+        addr(&l.wqkv, s),
+        opt(&l.bqkv),
+        opt(&l.q_norm),
+        opt(&l.k_norm),
+        addr(&l.wo, s),
+        opt(&l.bo),
+        addr(&l.ffn_norm, s),
+        addr(&l.w_gate_up, s),
+        addr(&l.w_down, s),
+        addr(&l.k_cache, s),
+        addr(&l.v_cache, s),
+    ]
+}
+
+impl FusedStep {
+    /// Compiles fused_step.cu (NVRTC, seconds) and sets the kernel up for `t` with `opts`.
+    fn build(t: &GpuTransformer, opts: &FusedOptions) -> Result<FusedStep, ModelError> {
+        if !t.paired_gate_up {
+            return Err(ModelError::Gpu(
+                "the fused step needs the gate/up rows paired (intermediate_size % 8 == 0)".into(),
+            ));
+        }
+        let module = t.device.load_source("fused_step.cu").map_err(gpu)?;
+        Self::configure(t, opts, module)
+    }
+
+    /// The launch shape and the device-side parameters for `opts`, on an already compiled kernel.
+    fn configure(
+        t: &GpuTransformer,
+        opts: &FusedOptions,
+        module: Arc<CudaModule>,
+    ) -> Result<FusedStep, ModelError> {
+        let c = &t.config;
+        let s = t.device.stream.clone();
+        let kernel = kernel_for(opts.ctas_per_sm)?;
+        let func = module.load_function(kernel).map_err(gpu)?;
+        let static_smem = func.shared_size_bytes().map_err(gpu)? as usize;
+        let smem_limit = t
+            .device
+            .ctx
+            .attribute(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .map_err(gpu)? as usize;
+        // attention_gqa's buffer (context-sized) where the standard step can use whole-row attention
+        // and it fits beside the kernel's static shared memory; otherwise the fused step always runs
+        // split-key attention (then it differs from the standard step for whole-row launch shapes).
+        let whole_row =
+            t.whole_row_attention_available() && t.attention_smem + static_smem <= smem_limit;
+        let smem = t
+            .attention_split_smem
+            .max(GEMM_SCRATCH_BYTES)
+            .max(if whole_row { t.attention_smem } else { 0 });
+        if smem + static_smem > smem_limit {
+            return Err(ModelError::Gpu(format!(
+                "fused step: {smem} + {static_smem} bytes of shared memory per CTA, over the device's {smem_limit}"
+            )));
+        }
+        func.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(gpu)?;
+        let num_sms = t.num_sms as u32;
+        let blocks_per_sm = func
+            .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None)
+            .map_err(gpu)?;
+        let requested = Some(opts.grid.unwrap_or(opts.ctas_per_sm * num_sms));
+        let grid = co_resident_grid(&func, requested, num_sms, THREADS, smem).map_err(|e| {
+            ModelError::Gpu(format!(
+                "fused step: the grid does not fit on the device at once: {e}"
+            ))
+        })?;
+        let words: Vec<u64> = t.layers.iter().flat_map(|l| layer_words(l, &s)).collect();
+        let layers = s.clone_htod(&words).map_err(gpu)?;
+        let barrier = s.alloc_zeros::<u32>(64).map_err(gpu)?;
+        let lay = t.layout;
+        let inputs = addr(&t.buf.inputs, &s);
+        let at = |offset: usize| inputs + 4 * offset as u64;
+        let p = FusedParamsHost {
+            layers: addr(&layers, &s),
+            embed: addr(&t.embed, &s),
+            final_norm: addr(&t.final_norm, &s),
+            lm_head: addr(t.lm_head.as_ref().unwrap_or(&t.embed), &s),
+            inv_freq: addr(&t.inv_freq, &s),
+            tokens: at(lay.tokens),
+            positions: at(lay.positions),
+            slots: at(lay.slots),
+            row_table: at(lay.row_table),
+            logit_rows: at(lay.logit_rows),
+            block_tables: at(lay.block_tables),
+            x: addr(&t.buf.x, &s),
+            act16: addr(&t.buf.act16, &s),
+            qkv: addr(&t.buf.qkv, &s),
+            ffn_act16: addr(&t.buf.ffn_act16, &s),
+            logits: addr(&t.buf.logits, &s),
+            attn_partials: addr(&t.buf.attn_partials, &s),
+            attn_counters: addr(&t.buf.attn_counters, &s),
+            barrier: addr(&barrier, &s),
+            n_layers: c.num_layers as i32,
+            hidden: c.hidden_size as i32,
+            n_heads: c.num_heads as i32,
+            n_kv_heads: c.num_kv_heads as i32,
+            head_dim: c.head_dim as i32,
+            ffn: c.intermediate_size as i32,
+            vocab: c.vocab_size as i32,
+            max_blocks: t.max_blocks as i32,
+            block_size: super::GPU_BLOCK_SIZE as i32,
+            prefetch_bytes: opts.prefetch_bytes.min(i32::MAX as usize) as i32,
+            eps: c.rms_norm_eps,
+            // The same expression as the standard step's attention scale (bit-identical).
+            scale: 1.0 / (c.head_dim as f32).sqrt(),
+        };
+        let words = p.words();
+        debug_assert_eq!(words.len(), PARAMS_WORDS);
+        let params = s.clone_htod(&words).map_err(gpu)?;
+        s.synchronize().map_err(gpu)?;
+        Ok(FusedStep {
+            module,
+            func,
+            params,
+            _layers: layers,
+            _barrier: barrier,
+            info: FusedInfo {
+                kernel,
+                grid,
+                threads: THREADS,
+                smem_bytes: smem as u32,
+                blocks_per_sm,
+                num_sms,
+                whole_row_attention: whole_row,
+            },
+        })
+    }
+}
+
+impl GpuTransformer {
+    /// Selects the step backend. `LatencySpecialized` compiles the fused kernel the first time and
+    /// checks that its grid fits on the device at once (an error if not); on a model the kernel does
+    /// not support it is still selected, and every step falls back (counted in `fused_fallbacks`).
+    pub fn set_step_backend(&mut self, backend: StepBackend) -> Result<(), ModelError> {
+        if backend == StepBackend::LatencySpecialized
+            && self.fused.step.is_none()
+            && supports_model(&self.config).is_ok()
+        {
+            let step = FusedStep::build(self, &self.fused.opts)?;
+            self.fused.step = Some(step);
+        }
+        self.fused.backend = backend;
+        Ok(())
+    }
+
+    pub fn step_backend(&self) -> StepBackend {
+        self.fused.backend
+    }
+
+    /// Changes the fused kernel's launch settings (no recompilation) and drops its captured graphs.
+    pub fn set_fused_options(&mut self, opts: FusedOptions) -> Result<(), ModelError> {
+        // Fused graphs point at the old parameters (freed in stream order below).
+        self.graphs.retain(|key, _| !key.4);
+        if let Some(old) = self.fused.step.take() {
+            let configured = FusedStep::configure(self, &opts, old.module.clone());
+            match configured {
+                Ok(step) => self.fused.step = Some(step),
+                Err(e) => {
+                    self.fused.step = Some(old);
+                    return Err(e);
+                }
+            }
+        }
+        self.fused.opts = opts;
+        Ok(())
+    }
+
+    pub fn fused_options(&self) -> FusedOptions {
+        self.fused.opts
+    }
+
+    /// The fused kernel's launch shape, once built.
+    pub fn fused_info(&self) -> Option<FusedInfo> {
+        self.fused.step.as_ref().map(|s| s.info)
+    }
+
+    /// Whether the most recent step ran the fused kernel.
+    pub fn last_step_fused(&self) -> bool {
+        self.fused.this_step
+    }
+
+    /// Steps that ran the fused kernel.
+    pub fn fused_steps(&self) -> u64 {
+        self.fused.fused_steps
+    }
+
+    /// Steps that fell back to the standard step with the fused backend selected, by reason kind.
+    pub fn fused_fallbacks(&self) -> &BTreeMap<&'static str, u64> {
+        &self.fused.fallbacks
+    }
+
+    /// `supports` for this model.
+    pub fn fused_supports(&self, seqs: &[SeqShape]) -> Result<(), FallbackReason> {
+        supports(&self.config, seqs)
+    }
+
+    /// Decides (and records) whether this step runs fused; `batch` counts the padded sequences of a
+    /// graph bucket, which run the same shape as the real ones. Counts the fallback reason when the
+    /// fused backend is selected and the step cannot take it.
+    pub(super) fn fused_decision(&mut self, inputs: &[GpuSeqInput<'_>], batch: usize) -> bool {
+        let st = &mut self.fused;
+        st.this_step = false;
+        if st.backend != StepBackend::LatencySpecialized {
+            return false;
+        }
+        let mut shapes: Vec<SeqShape> = inputs
+            .iter()
+            .map(|i| SeqShape {
+                tokens: i.tokens.len(),
+                num_logits: i.num_logits,
+            })
+            .collect();
+        if let Some(&first) = shapes.first() {
+            // Padding only happens for graph shapes, whose sequences are all alike.
+            shapes.resize(batch.max(shapes.len()), first);
+        }
+        match supports(&self.config, &shapes).and_then(|()| supports_taps(&self.step_taps)) {
+            Ok(()) if st.step.is_some() => {
+                st.this_step = true;
+                st.fused_steps += 1;
+                true
+            }
+            Ok(()) => false,
+            Err(reason) => {
+                *st.fallbacks.entry(reason.kind()).or_insert(0) += 1;
+                false
+            }
+        }
+    }
+
+    /// Whether the captured graph of a uniform shape (batch bucket, tokens, logits per sequence) runs
+    /// the fused kernel: the same decision as `fused_decision` for such a step.
+    pub(super) fn graph_uses_fused(&self, bucket: usize, tokens: usize, logits: usize) -> bool {
+        self.fused.backend == StepBackend::LatencySpecialized
+            && self.fused.step.is_some()
+            && supports(
+                &self.config,
+                &vec![
+                    SeqShape {
+                        tokens,
+                        num_logits: logits,
+                    };
+                    bucket
+                ],
+            )
+            .is_ok()
+    }
+
+    /// The fused step: `fused_forward` over `rows` packed rows with logits for `n_logits` of them,
+    /// then the greedy ids (as the standard step). Reads only device buffers and launch-time sizes,
+    /// so it is captured into a graph like `encode`.
+    pub(super) fn encode_fused(&mut self, rows: usize, n_logits: usize) -> Result<(), ModelError> {
+        let step = self
+            .fused
+            .step
+            .as_ref()
+            .ok_or_else(|| ModelError::Gpu("internal: the fused step is not built".into()))?;
+        if rows > FUSED_MAX_ROWS || n_logits > rows {
+            return Err(ModelError::Gpu(format!(
+                "internal: a fused step of {rows} rows and {n_logits} logits rows"
+            )));
+        }
+        let stream = self.device.stream.clone();
+        let s = &*stream;
+        // The standard step's attention choice for this launch shape (whole-row or split-key), so
+        // both backends run the same attention arithmetic and a captured graph keeps its choice.
+        let whole_row = step.info.whole_row_attention && self.whole_row_attention_for(rows);
+        let flags = self.fused.opts.mode.flags() | if whole_row { 4 } else { 0 };
+        // Tapped layers (fused_decision checked supports_taps): the same slots of the same buffer the
+        // standard step copies into; the list is part of the graph key.
+        let taps = &self.step_taps;
+        let tap_stride = self.opts.max_rows * self.config.hidden_size;
+        let args = [
+            KernelArg::buf(&step.params, s),
+            KernelArg::i32(rows as i32),
+            KernelArg::i32(n_logits as i32),
+            KernelArg::i32(flags),
+            if taps.is_empty() {
+                KernelArg::null()
+            } else {
+                KernelArg::buf(&self.tap_buf, s)
+            },
+            KernelArg::u64(pack_taps(taps)),
+            KernelArg::i32(taps.len() as i32),
+            KernelArg::i32(tap_stride as i32),
+        ];
+        let cfg = LaunchConfig {
+            grid_dim: (step.info.grid, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: step.info.smem_bytes,
+        };
+        let opts = LaunchOptions {
+            pdl: false,
+            cooperative: self.fused.opts.cooperative,
+        };
+        // SAFETY: `params` holds the FusedParams image of this model's buffers (allocated at
+        // construction for max_rows rows and max_logit_rows logits rows; run() checked rows and
+        // n_logits against them); the arguments follow fused_forward's signature; the grid was checked
+        // against the occupancy at build time (co-resident, so the grid barrier cannot deadlock).
+        unsafe { launch_with(s, &step.func, cfg, &args, opts) }.map_err(gpu)?;
+        if n_logits > 0 {
+            let args = [
+                KernelArg::buf(&self.buf.logits, s),
+                KernelArg::i32(self.config.vocab_size as i32),
+                KernelArg::buf(&self.buf.argmax, s),
+            ];
+            // SAFETY: logits holds n_logits rows of vocab_size, argmax n_logits entries; argmax_rows'
+            // argument order; launched without PDL.
+            unsafe {
+                launch(
+                    s,
+                    &self.k.argmax_rows,
+                    rows_cfg(n_logits, 1024),
+                    &args,
+                    false,
+                )
+            }
+            .map_err(gpu)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::random::preset;
+
+    fn llama() -> ModelConfig {
+        preset("llama3.2-1b").unwrap()
+    }
+
+    fn verify(seqs: usize, tokens: usize) -> Vec<SeqShape> {
+        vec![
+            SeqShape {
+                tokens,
+                num_logits: tokens
+            };
+            seqs
+        ]
+    }
+
+    #[test]
+    fn the_presets_are_supported() {
+        for name in ["llama3.2-1b", "qwen2.5-coder-1.5b"] {
+            let c = preset(name).unwrap();
+            assert_eq!(supports_model(&c), Ok(()), "{name}");
+        }
+        let c = llama();
+        for (seqs, tokens) in [(1, 1), (1, 8), (8, 1), (8, 8), (8, 16), (3, 16)] {
+            assert_eq!(supports(&c, &verify(seqs, tokens)), Ok(()));
+        }
+    }
+
+    #[test]
+    fn unsupported_shapes_name_their_reason() {
+        let c = llama();
+        assert_eq!(supports(&c, &[]), Err(FallbackReason::Empty));
+        assert_eq!(
+            supports(&c, &verify(9, 1)),
+            Err(FallbackReason::TooManySequences { seqs: 9, max: 8 })
+        );
+        assert_eq!(
+            supports(&c, &verify(1, 17)),
+            Err(FallbackReason::TooManyTokens {
+                tokens: 17,
+                max: 16
+            })
+        );
+        // A prompt chunk asks for fewer logits rows than it has tokens, whatever its length.
+        let chunk = SeqShape {
+            tokens: 12,
+            num_logits: 1,
+        };
+        assert_eq!(
+            supports(&c, &[verify(1, 8)[0], chunk]),
+            Err(FallbackReason::PrefillChunk {
+                tokens: 12,
+                num_logits: 1
+            })
+        );
+        let long_prompt = SeqShape {
+            tokens: 500,
+            num_logits: 1,
+        };
+        assert_eq!(
+            supports(&c, &[long_prompt]).unwrap_err().kind(),
+            "prefill_chunk"
+        );
+        // Mixed token counts are fine as long as each fits.
+        let mixed: Vec<SeqShape> = [1usize, 3, 8, 16]
+            .iter()
+            .map(|&t| SeqShape {
+                tokens: t,
+                num_logits: t,
+            })
+            .collect();
+        assert_eq!(supports(&c, &mixed), Ok(()));
+    }
+
+    #[test]
+    fn unsupported_models_name_their_reason() {
+        let mut c = llama();
+        c.intermediate_size = 8200;
+        assert_eq!(
+            supports_model(&c),
+            Err(FallbackReason::Alignment {
+                what: "intermediate_size",
+                value: 8200
+            })
+        );
+        // The model's reason comes first, whatever the shape.
+        assert_eq!(supports(&c, &verify(1, 1)).unwrap_err().kind(), "alignment");
+        let mut c = llama();
+        c.head_dim = 48; // q_dim 1536 is still a multiple of 32
+        assert_eq!(supports_model(&c), Err(FallbackReason::HeadDim(48)));
+        let mut c = llama();
+        c.head_dim = 320;
+        assert_eq!(supports_model(&c), Err(FallbackReason::HeadDim(320)));
+        let mut c = llama();
+        c.num_kv_heads = 2; // 16 query heads per KV head
+        assert_eq!(supports_model(&c), Err(FallbackReason::GroupSize(16)));
+    }
+
+    #[test]
+    fn taps_pack_one_byte_per_slot_in_list_order() {
+        assert_eq!(supports_taps(&[]), Ok(()));
+        assert_eq!(supports_taps(&[0, 2]), Ok(()));
+        assert_eq!(supports_taps(&[15, 3, 3, 0, 1, 2, 4, 5]), Ok(()));
+        assert_eq!(
+            supports_taps(&[0; 9]),
+            Err(FallbackReason::TappedLayers { taps: 9, max: 8 })
+        );
+        assert_eq!(supports_taps(&[255]).unwrap_err().kind(), "tapped_layers");
+        assert_eq!(pack_taps(&[]), 0);
+        assert_eq!(pack_taps(&[0, 2]), 0x0200);
+        // Any order, repeats allowed: slot s holds its own layer.
+        assert_eq!(pack_taps(&[15, 3, 3]), 0x03_03_0f);
+        assert_eq!(pack_taps(&[254; 8]), 0xfefe_fefe_fefe_fefe);
+    }
+
+    #[test]
+    fn fallback_kinds_are_distinct() {
+        let all = [
+            FallbackReason::Alignment {
+                what: "hidden_size",
+                value: 1,
+            },
+            FallbackReason::HeadDim(1),
+            FallbackReason::GroupSize(9),
+            FallbackReason::Empty,
+            FallbackReason::TooManySequences { seqs: 9, max: 8 },
+            FallbackReason::TooManyTokens {
+                tokens: 17,
+                max: 16,
+            },
+            FallbackReason::PrefillChunk {
+                tokens: 2,
+                num_logits: 1,
+            },
+            FallbackReason::TappedLayers { taps: 9, max: 8 },
+        ];
+        let kinds: std::collections::BTreeSet<_> = all.iter().map(FallbackReason::kind).collect();
+        assert_eq!(kinds.len(), all.len());
+        for r in &all {
+            assert!(!r.to_string().is_empty());
+        }
+    }
+
+    #[test]
+    fn each_ctas_per_sm_has_an_entry_point() {
+        assert_eq!(kernel_for(1).unwrap(), "fused_forward");
+        assert_eq!(kernel_for(2).unwrap(), "fused_forward_x2");
+        assert!(kernel_for(0).is_err() && kernel_for(3).is_err());
+        let exported = specula_kernels::cuda::FUSED_KERNELS;
+        assert!(exported.contains(&"fused_forward") && exported.contains(&"fused_forward_x2"));
+    }
+
+    #[test]
+    fn backends_parse_by_name() {
+        for b in [StepBackend::Standard, StepBackend::LatencySpecialized] {
+            assert_eq!(b.name().parse::<StepBackend>(), Ok(b));
+        }
+        assert_eq!("fused".parse(), Ok(StepBackend::LatencySpecialized));
+        assert!("megakernel".parse::<StepBackend>().is_err());
+        assert_eq!(StepBackend::default(), StepBackend::Standard);
+    }
+
+    #[test]
+    fn params_image_matches_the_device_struct_layout() {
+        let p = FusedParamsHost {
+            layers: 0x1000,
+            barrier: 0x2000,
+            n_layers: 16,
+            hidden: 2048,
+            prefetch_bytes: 131072,
+            eps: 1e-5,
+            scale: 0.125,
+            ..Default::default()
+        };
+        let w = p.words();
+        // 19 pointers + 12 four-byte fields = 200 bytes (static_assert in fused_step.cu).
+        assert_eq!(w.len(), PARAMS_WORDS);
+        assert_eq!(w[0], 0x1000);
+        assert_eq!(w[18], 0x2000);
+        // n_layers then hidden share word 19, the first in the low half.
+        assert_eq!(w[19], 16 | (2048u64 << 32));
+        // block_size (9th int) and prefetch_bytes (10th) share word 23; eps and scale word 24.
+        assert_eq!(w[23] >> 32, 131072);
+        assert_eq!(
+            w[24],
+            u64::from(1e-5f32.to_bits()) | (u64::from(0.125f32.to_bits()) << 32)
+        );
+        assert_eq!(FusedMode::Full.flags(), 0);
+        assert_eq!(FusedMode::BarriersOnly.flags(), 1);
+        assert_eq!(FusedMode::SkipAttention.flags(), 2);
+        assert_eq!(LAYER_WORDS * 8, 96);
+    }
+}
