@@ -5,7 +5,9 @@
 #
 #   run(command="bash experiments/train_dspark/run_h200.sh", carry=[".carry/dspark-train"], timeout_s=600)
 #
-# Writes into $OUT (default ./out-dspark-v2):
+# Works in a scratch folder and leaves in $OUT (default ./out-dspark-v2) only dspark_v2.tgz (everything below)
+# and a copy of eval_summary.md: the device tool returns at most 8 files, and a full run writes more (the
+# first full v2 run lost its checkpoint that way). The tarball holds:
 #   dspark/config.json, dspark/model.safetensors   the drafter (DeepSpec layout, bf16, embedding/LM head shared)
 #   train_log_v2.txt                               the whole log (fixture check, data, training curve, evaluation)
 #   eval_summary.md, eval_summary.json             estimated AL, DSpark v2 vs the draft model
@@ -18,6 +20,8 @@ root=$(cd "$here/../.." && pwd)
 cd "$root"
 OUT=${OUT:-$root/out-dspark-v2}
 mkdir -p "$OUT"
+final_out=$OUT
+OUT=$(mktemp -d)
 carry=${DSPARK_CARRY:-$root/.carry/dspark-train}
 py=${PYTHON:-python3}
 t0=$(date +%s)
@@ -49,6 +53,8 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 timeout -s INT "${HARD_STOP_S:-570}" "$py" "$here/train_dspark_v2.py" "$OUT" 2>&1 | tee "$OUT/stdout.txt"
 rc=${PIPESTATUS[0]}
 ( cd "$OUT" && find . -type f ! -name SHA256SUMS | sort | xargs sha256sum > SHA256SUMS ) 2>/dev/null
-echo "run_h200.sh: exit $rc after $(( $(date +%s) - t0 ))s; outputs in $OUT:"
-ls -l "$OUT" "$OUT/dspark" 2>/dev/null
+tar -czf "$final_out/dspark_v2.tgz" -C "$OUT" .
+cp "$OUT/eval_summary.md" "$final_out/" 2>/dev/null
+echo "run_h200.sh: exit $rc after $(( $(date +%s) - t0 ))s; outputs in $final_out/dspark_v2.tgz:"
+tar -tzvf "$final_out/dspark_v2.tgz"
 exit "$rc"
