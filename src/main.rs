@@ -91,6 +91,9 @@ struct StepBenchArgs {
     /// Skip timing cuBLAS against the skinny kernel (then the skinny kernel serves every decode shape).
     #[arg(long)]
     no_tune: bool,
+    /// Step backends timed side by side: standard, latency_specialized (the fused kernel, issue 6)
+    #[arg(long, value_delimiter = ',', default_value = "standard")]
+    backends: Vec<String>,
     #[arg(long, default_value = "experiments/results/step_bench")]
     out: PathBuf,
 }
@@ -837,6 +840,11 @@ fn cmd_bench_step(a: StepBenchArgs) -> Result<()> {
         acceptance_length: a.acceptance_length,
         replay_reps: a.replay_reps,
         tune: !a.no_tune,
+        backends: a
+            .backends
+            .iter()
+            .map(|b| b.parse().map_err(|e| anyhow::anyhow!("--backends: {e}")))
+            .collect::<Result<_>>()?,
         out_dir: a.out,
     })?;
     Ok(())

@@ -22,6 +22,7 @@ use anyhow::{Context, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
+use specula_model::gpu::fused::StepBackend;
 use specula_model::gpu::{AttentionKernel, GpuOptions, GpuSeqInput, GpuTransformer, StepAblation};
 use specula_model::loader::load;
 use specula_model::random::preset;
@@ -46,7 +47,14 @@ pub struct StepBenchConfig {
     pub replay_reps: usize,
     /// Time cuBLAS against the skinny kernel per linear shape and use the faster.
     pub tune: bool,
+    /// Step backends timed side by side at every setting (`standard`, `latency_specialized`).
+    #[serde(serialize_with = "backend_names")]
+    pub backends: Vec<StepBackend>,
     pub out_dir: PathBuf,
+}
+
+fn backend_names<S: serde::Serializer>(b: &[StepBackend], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(b.iter().map(|k| k.name()))
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -62,6 +70,12 @@ pub struct LinearChoiceRow {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct StepRow {
+    /// The step backend asked for (`standard` | `latency_specialized`).
+    pub decode_backend: &'static str,
+    /// Timed steps the fused kernel actually ran; the rest fell back to the standard step (reasons
+    /// in `fused_fallbacks`).
+    pub fused_steps: u64,
+    pub fused_fallbacks: std::collections::BTreeMap<&'static str, u64>,
     pub running_requests: usize,
     pub tokens_per_seq: usize,
     pub steps_timed: usize,
@@ -367,7 +381,15 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
         } else {
             None
         };
-        for &b in &cfg.batches {
+        for (&b, &backend) in cfg
+            .batches
+            .iter()
+            .flat_map(|b| cfg.backends.iter().map(move |k| (b, k)))
+        {
+            gpu.set_step_backend(backend)
+                .with_context(|| format!("selecting the {} step backend", backend.name()))?;
+            let mut fused_steps = 0u64;
+            let mut fallbacks = std::collections::BTreeMap::<&'static str, u64>::new();
             let mut samples = Vec::new();
             let mut run_medians = Vec::new();
             let (mut ctx_sum, mut kv_sum, mut committed_sum, mut n_steps) =
@@ -426,10 +448,20 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
                                 num_logits: t,
                             })
                             .collect();
+                        let fused_before = gpu.fused_fallbacks().clone();
                         let t_step = Instant::now();
                         let ids = gpu.step_argmax(&inputs)?;
                         let ms = t_step.elapsed().as_secs_f64() * 1e3;
                         if timed {
+                            if gpu.last_step_fused() {
+                                fused_steps += 1;
+                            }
+                            for (reason, n) in gpu.fused_fallbacks() {
+                                let new = n - fused_before.get(reason).copied().unwrap_or(0);
+                                if new > 0 {
+                                    *fallbacks.entry(reason).or_default() += new;
+                                }
+                            }
                             run_samples.push(ms);
                             let keys: usize = starts.iter().map(|&s| s + t).sum();
                             ctx_sum += starts.iter().sum::<usize>() as f64 / b as f64;
@@ -509,6 +541,9 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
             let kv_bytes = kv_sum / n_steps.max(1) as f64;
             let floor_ms = (gpu.weight_bytes() as f64 + kv_bytes) / (bandwidth * 1e12) * 1e3;
             let row = StepRow {
+                decode_backend: backend.name(),
+                fused_steps,
+                fused_fallbacks: fallbacks,
                 running_requests: b,
                 tokens_per_seq: t,
                 steps_timed: samples.len(),
@@ -525,7 +560,8 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
                 percent_of_floor: 100.0 * floor_ms / median,
             };
             eprintln!(
-                "B={b} T={t}: step median {:.3} ms, P90 {:.3}, replay {:?} ms, floor {:.3} ms ({:.0}%)",
+                "{} B={b} T={t}: step median {:.3} ms, P90 {:.3}, replay {:?} ms, floor {:.3} ms ({:.0}%)",
+                row.decode_backend,
                 row.step_ms_median,
                 row.step_ms_p90,
                 row.graph_replay_ms_median,
@@ -535,6 +571,8 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
             rows.push(row);
         }
     }
+    // The profile times the standard step's parts.
+    gpu.set_step_backend(StepBackend::Standard)?;
     let mut profile = Vec::new();
     for &t in cfg.tokens_per_seq.iter().filter(|&&t| t > 1) {
         for &b in cfg.batches.iter().filter(|&&b| b == 1 || b == 8) {
@@ -601,12 +639,33 @@ graph replay = device time per replay, CUDA events around 10 replays queued back
     if let Some(e) = &r.graph_error {
         md.push_str(&format!("**CUDA graphs were off in this run** (capture failed: {e}); steps ran kernel by kernel.\n\n"));
     }
-    md.push_str("| running requests | tokens/seq | step ms median | P90 | graph-replay ms | floor ms | % of floor | no-graph step ms | committed/step | mean context |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    md.push_str("| running requests | tokens/seq | backend | fused steps | step ms median | P90 | graph-replay ms | floor ms | % of floor | no-graph step ms | committed/step | mean context |\n|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for row in &r.rows {
+        let fused = if row.decode_backend == StepBackend::Standard.name() {
+            "-".to_string()
+        } else {
+            let falls: Vec<String> = row
+                .fused_fallbacks
+                .iter()
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect();
+            format!(
+                "{}/{}{}",
+                row.fused_steps,
+                row.steps_timed,
+                if falls.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (fallbacks: {})", falls.join(", "))
+                }
+            )
+        };
         md.push_str(&format!(
-            "| {} | {} | {:.3} | {:.3} | {} | {:.3} | {:.0}% | {:.3} | {:.2} | {:.0} |\n",
+            "| {} | {} | {} | {} | {:.3} | {:.3} | {} | {:.3} | {:.0}% | {:.3} | {:.2} | {:.0} |\n",
             row.running_requests,
             row.tokens_per_seq,
+            row.decode_backend,
+            fused,
             row.step_ms_median,
             row.step_ms_p90,
             row.graph_replay_ms_median
@@ -617,6 +676,41 @@ graph replay = device time per replay, CUDA events around 10 replays queued back
             row.mean_committed_per_step,
             row.mean_context,
         ));
+    }
+    // The seed's table: both backends at the same setting, side by side.
+    let specialized = StepBackend::LatencySpecialized.name();
+    let standard = StepBackend::Standard.name();
+    let pairs: Vec<(&StepRow, &StepRow)> = r
+        .rows
+        .iter()
+        .filter(|x| x.decode_backend == specialized)
+        .filter_map(|x| {
+            r.rows
+                .iter()
+                .find(|y| {
+                    y.decode_backend == standard
+                        && y.running_requests == x.running_requests
+                        && y.tokens_per_seq == x.tokens_per_seq
+                })
+                .map(|y| (x, y))
+        })
+        .collect();
+    if !pairs.is_empty() {
+        md.push_str("\nBackends side by side (same run, same prompts; step = median inter-token latency of the target step):\n\n| running requests | tokens/seq | specialized ms (P90) | standard ms (P90) | speedup | floor ms | specialized % of floor |\n|---:|---:|---:|---:|---:|---:|---:|\n");
+        for (x, y) in pairs {
+            md.push_str(&format!(
+                "| {} | {} | {:.3} ({:.3}) | {:.3} ({:.3}) | {:.2}x | {:.3} | {:.0}% |\n",
+                x.running_requests,
+                x.tokens_per_seq,
+                x.step_ms_median,
+                x.step_ms_p90,
+                y.step_ms_median,
+                y.step_ms_p90,
+                y.step_ms_median / x.step_ms_median,
+                x.floor_ms,
+                x.percent_of_floor
+            ));
+        }
     }
     if !r.linear_choices.is_empty() {
         md.push_str("\nLinear layers (CUDA events, median of 20 launches, each on the next layer's matrix of the shape, so weights come mostly from memory as in a step): backend chosen per shape\n\n| rows x cols | activation rows | cuBLAS us | skinny us by K splits | chosen |\n|---|---:|---:|---|---|\n");
