@@ -283,7 +283,7 @@ fn sorted(mut v: Vec<f64>) -> Vec<f64> {
 }
 
 /// Device-to-device copy bandwidth (bytes read + written per second), CUDA events, median of 20.
-fn copy_bandwidth(gpu: &GpuTransformer) -> Result<f64> {
+pub fn copy_bandwidth(gpu: &GpuTransformer) -> Result<f64> {
     let s = gpu.device.stream.clone();
     let bytes = 1usize << 30;
     let src = s.alloc_zeros::<u8>(bytes)?;

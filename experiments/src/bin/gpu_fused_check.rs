@@ -41,6 +41,7 @@ use anyhow::{bail, Context, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use specula_experiments::max_relative_error as max_rel;
+use specula_experiments::step_bench::copy_bandwidth;
 use specula_kernels::sampling::argmax;
 use specula_model::gpu::fused::{FusedMode, FusedOptions, StepBackend};
 use specula_model::gpu::{AttentionKernel, GpuOptions, GpuSeqInput, GpuTransformer, StepAblation};
@@ -657,31 +658,6 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
         return f64::NAN;
     }
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
-}
-
-/// Device-to-device copy bandwidth (bytes read + written per second), CUDA events, median of 20.
-fn copy_bandwidth(gpu: &GpuTransformer) -> Result<f64> {
-    let s = gpu.device.stream.clone();
-    let bytes = 1usize << 30;
-    let src = s.alloc_zeros::<u8>(bytes)?;
-    let mut dst = s.alloc_zeros::<u8>(bytes)?;
-    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let (a, b) = (
-        gpu.device.ctx.new_event(flags)?,
-        gpu.device.ctx.new_event(flags)?,
-    );
-    for _ in 0..3 {
-        s.memcpy_dtod(&src, &mut dst)?;
-    }
-    let mut ms = Vec::new();
-    for _ in 0..20 {
-        a.record(&s)?;
-        s.memcpy_dtod(&src, &mut dst)?;
-        b.record(&s)?;
-        ms.push(a.elapsed_ms(&b)? as f64);
-    }
-    ms.sort_by(f64::total_cmp);
-    Ok(2.0 * bytes as f64 / (percentile(&ms, 0.5) * 1e-3) / 1e12)
 }
 
 struct Variant {
