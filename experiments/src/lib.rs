@@ -196,3 +196,37 @@ pub fn max_relative_error(ours: &[f32], reference: &[f32]) -> f64 {
         .fold(0f64, |m, (&a, &b)| m.max((a as f64 - b as f64).abs()))
         / scale
 }
+
+/// A tiny model config of the given architecture for the GPU checks (3 layers of 128, 4/2 heads of 64,
+/// FFN 352, vocab 1000) on top of a real preset's switches (llama3 RoPE scaling, qwen2 qkv bias, tied
+/// embeddings); qwen3 adds q/k norm, head_dim 32 and an untied head; `attention_bias` adds q/k/v and
+/// o biases.
+pub fn tiny_check_config(
+    arch: specula_model::Arch,
+    attention_bias: bool,
+) -> Result<specula_model::ModelConfig, specula_model::ModelError> {
+    use specula_model::Arch;
+    let mut c = specula_model::random::preset(match arch {
+        Arch::Llama => "llama3.2-1b",
+        _ => "qwen2.5-coder-1.5b",
+    })?;
+    c.arch = arch;
+    c.hidden_size = 128;
+    c.num_layers = 3;
+    c.num_heads = 4;
+    c.num_kv_heads = 2;
+    c.head_dim = 64;
+    c.intermediate_size = 352;
+    c.vocab_size = 1000;
+    if attention_bias {
+        c.qkv_bias = true;
+        c.o_bias = true;
+    }
+    if arch == Arch::Qwen3 {
+        c.qkv_bias = false;
+        c.qk_norm = true;
+        c.head_dim = 32;
+        c.tie_word_embeddings = false;
+    }
+    Ok(c)
+}

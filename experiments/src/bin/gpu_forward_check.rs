@@ -19,12 +19,13 @@ use anyhow::{bail, Context, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use specula_experiments::max_relative_error as max_rel;
+use specula_experiments::tiny_check_config;
 use specula_kernels::cuda::{Gemm, GpuDevice, LinearBackend};
 use specula_kernels::sampling::argmax;
 use specula_model::gpu::{AttentionKernel, GpuOptions, GpuSeqInput, GpuTransformer, StepAblation};
 use specula_model::loader::load;
-use specula_model::random::{preset, random_transformer};
-use specula_model::{Arch, ModelConfig, SeqInput, Transformer, WeightDtype};
+use specula_model::random::random_transformer;
+use specula_model::{Arch, SeqInput, Transformer, WeightDtype};
 
 const LIMIT: f64 = 1e-2;
 
@@ -298,28 +299,6 @@ fn check_model(
     Ok(())
 }
 
-fn tiny(arch: Arch) -> Result<ModelConfig> {
-    let mut c = preset(match arch {
-        Arch::Llama => "llama3.2-1b",
-        _ => "qwen2.5-coder-1.5b",
-    })?;
-    c.arch = arch;
-    c.hidden_size = 128;
-    c.num_layers = 3;
-    c.num_heads = 4;
-    c.num_kv_heads = 2;
-    c.head_dim = 64;
-    c.intermediate_size = 352;
-    c.vocab_size = 1000;
-    if arch == Arch::Qwen3 {
-        c.qkv_bias = false;
-        c.qk_norm = true;
-        c.head_dim = 32;
-        c.tie_word_embeddings = false;
-    }
-    Ok(c)
-}
-
 fn main() -> Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
     let mut tally = Tally {
@@ -365,7 +344,7 @@ fn main() -> Result<()> {
         ("random tiny qwen2 (qkv bias, tied)", Arch::Qwen2, 12),
         ("random tiny qwen3 (q/k norm, untied)", Arch::Qwen3, 13),
     ] {
-        let config = tiny(arch)?;
+        let config = tiny_check_config(arch, false)?;
         let cpu = random_transformer(config.clone(), seed)?;
         for attention in kernels {
             let mut gpu = GpuTransformer::random(config.clone(), seed, opts.clone())?;

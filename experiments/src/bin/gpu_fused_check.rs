@@ -41,13 +41,14 @@ use anyhow::{bail, Context, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use specula_experiments::max_relative_error as max_rel;
-use specula_experiments::step_bench::copy_bandwidth;
+use specula_experiments::step_bench::{copy_bandwidth, percentile};
+use specula_experiments::tiny_check_config;
 use specula_kernels::sampling::argmax;
 use specula_model::gpu::fused::{FusedMode, FusedOptions, StepBackend};
 use specula_model::gpu::{AttentionKernel, GpuOptions, GpuSeqInput, GpuTransformer, StepAblation};
 use specula_model::loader::load;
 use specula_model::random::{preset, random_transformer};
-use specula_model::{Arch, ModelConfig, PagedKvCache, SeqId, SeqInput, Transformer, WeightDtype};
+use specula_model::{Arch, PagedKvCache, SeqId, SeqInput, Transformer, WeightDtype};
 
 const LIMIT: f64 = 1e-2;
 
@@ -469,32 +470,6 @@ fn check_model(
     Ok(())
 }
 
-fn tiny(arch: Arch, attention_bias: bool) -> Result<ModelConfig> {
-    let mut c = preset(match arch {
-        Arch::Llama => "llama3.2-1b",
-        _ => "qwen2.5-coder-1.5b",
-    })?;
-    c.arch = arch;
-    c.hidden_size = 128;
-    c.num_layers = 3;
-    c.num_heads = 4;
-    c.num_kv_heads = 2;
-    c.head_dim = 64;
-    c.intermediate_size = 352;
-    c.vocab_size = 1000;
-    if attention_bias {
-        c.qkv_bias = true;
-        c.o_bias = true;
-    }
-    if arch == Arch::Qwen3 {
-        c.qkv_bias = false;
-        c.qk_norm = true;
-        c.head_dim = 32;
-        c.tie_word_embeddings = false;
-    }
-    Ok(c)
-}
-
 /// Every variant of the check on one model.
 fn check_variants(
     tally: &mut Tally,
@@ -626,7 +601,7 @@ fn check(quick: bool, cooperative: bool) -> Result<()> {
             13,
         ),
     ] {
-        let config = tiny(arch, bias)?;
+        let config = tiny_check_config(arch, bias)?;
         let cpu = random_transformer(config.clone(), seed)?;
         let mut gpu = GpuTransformer::random(config, seed, opts.clone())?;
         check_variants(&mut tally, name, &cpu, &mut gpu, quick, false, cooperative)?;
@@ -651,13 +626,6 @@ struct BenchArgs {
     samples: usize,
     tune: bool,
     seed: u64,
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
 struct Variant {
