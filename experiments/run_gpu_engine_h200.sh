@@ -29,11 +29,13 @@ serve_once() {  # $1 label, $2 speculative config
     serve_once natural "$S}"
     serve_once synthetic "$S, \"synthetic_acceptance_length\": 3.78}"
     save
-    R='import json,sys; d=json.load(sys.stdin); r=d["run"]; print({k: r.get(k) for k in ("device","verifier","drafter","rule","acceptance_mode","acceptance_length","num_verify_steps","draft_ms","verify_ms","decode_backend","decode_backend_fallbacks")})'
+    R='import json,sys; d=json.load(sys.stdin); r=d["run"]; print({k: r.get(k) for k in ("device","verifier","drafter","rule","acceptance_mode","acceptance_length","num_verify_steps","draft_ms","verify_ms","decode_backend","decode_backend_fallbacks","decode_backend_specialized_steps")})'
     for spec in "$S}" "$S, \"synthetic_acceptance_length\": 3.78}"; do
         echo "== generate --device cuda $spec"
         $B/specula generate --device cuda --speculative-config "$spec" --prompt "def read_config(path):" --max-tokens 64 --json | python3 -c "$R"
     done
+    echo "== generate --device cuda, decode_backend latency_specialized (fused kernel), $S, synthetic 3.78}"
+    $B/specula generate --device cuda --speculative-config "$S, \"synthetic_acceptance_length\": 3.78}" --additional-config '{"decode_backend": "latency_specialized"}' --prompt "def read_config(path):" --max-tokens 64 --json | python3 -c "$R"
     echo "== gpu_e2e_check"; timeout 200 $B/gpu_e2e_check --root "$PWD" > "$out/gpu_e2e_check.txt" 2>&1; echo "rc=$?"; tail -22 "$out/gpu_e2e_check.txt"
     save
     echo "== gpu_dspark_check"; timeout 120 $B/gpu_dspark_check --fixture .carry/fixtures/dspark-deepspec --reps 20 > "$out/gpu_dspark_check.txt" 2>&1; echo "rc=$?"; tail -12 "$out/gpu_dspark_check.txt"

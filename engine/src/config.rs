@@ -178,9 +178,10 @@ pub enum DecodeBackend {
     /// The scheduler's step: drafts, one target forward, the acceptance rule.
     #[default]
     Standard,
-    /// A decode path tuned for per-user latency. Not built yet: accepted as configuration, every
-    /// step runs `standard` and is counted as a fallback (reason
-    /// `scheduler::FALLBACK_LATENCY_SPECIALIZED_NOT_BUILT`), never silently.
+    /// A decode path tuned for per-user latency: on the GPU, the fused verify kernel
+    /// (`specula_model::gpu_fused`) for every step whose shape it takes. Every other step (prefill,
+    /// mixed prefill/verify, too many sequences or tokens, an unsupported model, the CPU device) runs
+    /// `standard` and is counted as a fallback with its reason, never silently.
     LatencySpecialized,
 }
 

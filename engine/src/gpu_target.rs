@@ -23,6 +23,7 @@
 //! runs with the request's ChaCha8 stream instead (the reference behaviour; slower for large
 //! vocabularies, because k + 1 full rows per sequence cross the bus every step).
 
+use crate::config::DecodeBackend;
 use crate::scheduler::MAX_DRAFT_TOKENS;
 use crate::target::{verify_on_host, TargetBackend, TargetOptions, TargetStep, VerifyJob};
 use crate::EngineError;
@@ -31,6 +32,7 @@ use specula_kernels::cuda::sampling::{
     DraftRows, GpuRule, GpuSampler, GpuSamplingError, VerifyBatch, VerifyFailure, VerifyOutput,
 };
 use specula_kernels::sampling::SamplingParams;
+use specula_model::gpu::fused::{supports_model, StepBackend};
 use specula_model::gpu::{GpuOptions, GpuSeqInput, GpuTransformer};
 use specula_model::{ForwardOutput, ModelConfig, SeqId, SeqInput, Transformer};
 use specula_verifier::{AcceptanceRule, VerifyOutcome};
@@ -224,6 +226,34 @@ impl TargetBackend for GpuTarget {
         // rows; a scheduler running fewer sequences may prefill the difference.
         let rows = self.model.options().max_rows;
         rows.saturating_sub(max_running.min(self.max_running) * MAX_BLOCK_ROWS)
+    }
+
+    fn set_decode_backend(&mut self, backend: DecodeBackend) -> Result<(), EngineError> {
+        let step = match backend {
+            DecodeBackend::Standard => StepBackend::Standard,
+            DecodeBackend::LatencySpecialized => StepBackend::LatencySpecialized,
+        };
+        self.model.set_step_backend(step).map_err(|e| {
+            EngineError::Gpu(format!(
+                "setting up the latency_specialized decode backend: {e}"
+            ))
+        })
+    }
+
+    fn decode_backend_unavailable(&self, backend: DecodeBackend) -> Option<&'static str> {
+        match backend {
+            DecodeBackend::Standard => None,
+            DecodeBackend::LatencySpecialized => {
+                supports_model(self.model.config()).err().map(|r| r.kind())
+            }
+        }
+    }
+
+    fn last_step_fallback(&self, backend: DecodeBackend) -> Option<&'static str> {
+        match backend {
+            DecodeBackend::Standard => None,
+            DecodeBackend::LatencySpecialized => self.model.last_step_fallback(),
+        }
     }
 
     fn add_sequence(&mut self) -> Result<SeqId, EngineError> {

@@ -18,7 +18,6 @@ pub use generate::{generate, FinishReason, GenerationOutput, GenerationRequest};
 pub use golden::{GoldenAcceptance, GOLDEN_FORMAT};
 pub use scheduler::{
     Event, RequestId, Scheduler, SchedulerConfig, SchedulerTotals, FALLBACK_CPU_DEVICE,
-    FALLBACK_LATENCY_SPECIALIZED_NOT_BUILT,
 };
 pub use speculative::{acceptance_mode, generate_batch, generate_batch_on, BatchOutput, RunStats};
 pub use stats::{GenerationStats, LatencySummary, SpeculativeStats};

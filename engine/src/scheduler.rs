@@ -75,11 +75,9 @@ pub struct SchedulerTotals {
     pub steps: u64,
     /// Steps that ran another decode backend than the one configured, by reason (never silent).
     pub decode_backend_fallbacks: BTreeMap<String, u64>,
+    /// Steps that ran the configured `latency_specialized` backend (the fused kernel).
+    pub specialized_steps: u64,
 }
-
-/// Why a `latency_specialized` step ran the standard decode path on the GPU: the fused decode
-/// backend does not exist yet.
-pub const FALLBACK_LATENCY_SPECIALIZED_NOT_BUILT: &str = "latency_specialized_not_built";
 /// Why a `latency_specialized` step ran the standard decode path on the CPU: the fused backend is a
 /// GPU backend; the CPU device never has it.
 pub const FALLBACK_CPU_DEVICE: &str = "cpu_device";
@@ -180,26 +178,25 @@ impl<'a> Scheduler<'a> {
         }
     }
 
-    /// The decode path steps should take. `latency_specialized` is not built yet: every step runs
-    /// the standard path and is counted in `totals().decode_backend_fallbacks`.
-    pub fn set_decode_backend(&mut self, backend: DecodeBackend) {
+    /// The decode path steps should take. With `latency_specialized` each step whose shape the fused
+    /// kernel takes runs it (`totals().specialized_steps`); every other step (prefill, mixed
+    /// prefill/verify, too many sequences or tokens, a model or device without it) runs the standard
+    /// path and is counted with its reason in `totals().decode_backend_fallbacks`. An error when the
+    /// target cannot set the backend up (e.g. the fused kernel does not compile or fit).
+    pub fn set_decode_backend(&mut self, backend: DecodeBackend) -> Result<(), EngineError> {
+        self.target.set_decode_backend(backend)?;
         self.decode_backend = backend;
+        Ok(())
     }
 
     pub fn decode_backend(&self) -> DecodeBackend {
         self.decode_backend
     }
 
-    /// Why a step will not run the configured decode backend, if it will not. Every such step is
-    /// counted under this reason in `totals().decode_backend_fallbacks`.
+    /// Why no step will run the configured decode backend (device or model), if none will. Steps
+    /// that fall back for their shape alone are counted per step, not reported here.
     pub fn fallback_reason(&self) -> Option<&'static str> {
-        match (self.decode_backend, self.target.device_kind()) {
-            (DecodeBackend::Standard, _) => None,
-            (DecodeBackend::LatencySpecialized, crate::Device::Cpu) => Some(FALLBACK_CPU_DEVICE),
-            (DecodeBackend::LatencySpecialized, crate::Device::Cuda) => {
-                Some(FALLBACK_LATENCY_SPECIALIZED_NOT_BUILT)
-            }
-        }
+        self.target.decode_backend_unavailable(self.decode_backend)
     }
 
     /// Where the target runs ("cpu", "cuda (...)").
@@ -328,13 +325,6 @@ impl<'a> Scheduler<'a> {
         }
         if self.running.is_empty() {
             return Ok(events);
-        }
-        if let Some(reason) = self.fallback_reason() {
-            *self
-                .totals
-                .decode_backend_fallbacks
-                .entry(reason.to_string())
-                .or_insert(0) += 1;
         }
         let c = self.target.config();
         let limit = c.max_position_embeddings.min(self.target.max_positions());
@@ -488,6 +478,18 @@ impl<'a> Scheduler<'a> {
             .collect();
         let out = self.target.step(&inputs, &tapped, &mut jobs)?;
         drop(jobs);
+        if self.decode_backend != DecodeBackend::Standard {
+            match self.target.last_step_fallback(self.decode_backend) {
+                Some(reason) => {
+                    *self
+                        .totals
+                        .decode_backend_fallbacks
+                        .entry(reason.to_string())
+                        .or_insert(0) += 1;
+                }
+                None => self.totals.specialized_steps += 1,
+            }
+        }
         // Row of each input's first new token in `out.hidden`.
         let mut first_row = Vec::with_capacity(inputs.len());
         let mut row = 0;

@@ -55,6 +55,8 @@ pub struct RunStats {
     pub decode_backend: String,
     /// Steps that ran another decode path than the one asked for, by reason.
     pub decode_backend_fallbacks: BTreeMap<String, u64>,
+    /// Steps that ran the `latency_specialized` path (0 unless it was asked for).
+    pub decode_backend_specialized_steps: u64,
 }
 
 pub struct BatchOutput {
@@ -111,7 +113,7 @@ pub fn generate_batch_on(
         None => None,
     };
     let mut scheduler = Scheduler::with_target(target, drafter, tokenizer, config);
-    scheduler.set_decode_backend(decode_backend);
+    scheduler.set_decode_backend(decode_backend)?;
     // Validate everything before any work, so a bad request fails the batch without side effects.
     for req in requests {
         scheduler.validate(req)?;
@@ -168,6 +170,7 @@ pub fn generate_batch_on(
         verifier: scheduler.verifier().into(),
         decode_backend: decode_backend.name().into(),
         decode_backend_fallbacks: totals.decode_backend_fallbacks.clone(),
+        decode_backend_specialized_steps: totals.specialized_steps,
     };
     Ok(BatchOutput { outputs, run })
 }

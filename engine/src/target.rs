@@ -8,6 +8,8 @@
 //! far), so a GPU run is reproducible per seed but samples differently from a CPU run of that seed.
 //! The ChaCha8 stream still feeds the drafter and the first token on both.
 
+use crate::config::DecodeBackend;
+use crate::scheduler::FALLBACK_CPU_DEVICE;
 use crate::EngineError;
 use rand_chacha::ChaCha8Rng;
 use specula_kernels::sampling::{self, SamplingParams};
@@ -70,6 +72,27 @@ pub trait TargetBackend {
         usize::MAX
     }
 
+    /// Selects the decode path of later steps. The default (the CPU) has only the standard path and
+    /// accepts any selection: its steps are then counted as fallbacks (`decode_backend_unavailable`).
+    fn set_decode_backend(&mut self, backend: DecodeBackend) -> Result<(), EngineError> {
+        let _ = backend;
+        Ok(())
+    }
+
+    /// Why no step can run `backend` here (the device or the model lacks it), if none can.
+    fn decode_backend_unavailable(&self, backend: DecodeBackend) -> Option<&'static str> {
+        match backend {
+            DecodeBackend::Standard => None,
+            DecodeBackend::LatencySpecialized => Some(FALLBACK_CPU_DEVICE),
+        }
+    }
+
+    /// Why the most recent step ran the standard path although `backend` is selected (a fallback
+    /// reason the scheduler counts), None when it ran `backend`.
+    fn last_step_fallback(&self, backend: DecodeBackend) -> Option<&'static str> {
+        self.decode_backend_unavailable(backend)
+    }
+
     fn add_sequence(&mut self) -> Result<SeqId, EngineError>;
     fn remove_sequence(&mut self, seq: SeqId) -> Result<(), EngineError>;
     fn len(&self, seq: SeqId) -> Result<usize, EngineError>;
@@ -117,6 +140,15 @@ impl<B: TargetBackend + ?Sized> TargetBackend for &mut B {
     }
     fn max_prefill_tokens_per_step(&self, max_running: usize) -> usize {
         (**self).max_prefill_tokens_per_step(max_running)
+    }
+    fn set_decode_backend(&mut self, backend: DecodeBackend) -> Result<(), EngineError> {
+        (**self).set_decode_backend(backend)
+    }
+    fn decode_backend_unavailable(&self, backend: DecodeBackend) -> Option<&'static str> {
+        (**self).decode_backend_unavailable(backend)
+    }
+    fn last_step_fallback(&self, backend: DecodeBackend) -> Option<&'static str> {
+        (**self).last_step_fallback(backend)
     }
     fn add_sequence(&mut self) -> Result<SeqId, EngineError> {
         (**self).add_sequence()

@@ -136,7 +136,8 @@ fn latency_specialized_on_the_cpu_counts_every_step_as_a_fallback() {
         },
     );
     assert_eq!(s.fallback_reason(), None, "standard is the default");
-    s.set_decode_backend(DecodeBackend::LatencySpecialized);
+    s.set_decode_backend(DecodeBackend::LatencySpecialized)
+        .unwrap();
     assert_eq!(s.fallback_reason(), Some(FALLBACK_CPU_DEVICE));
     s.add_request(request(9, 1, 3), AcceptanceRule::Greedy)
         .unwrap();
@@ -156,6 +157,7 @@ fn latency_specialized_on_the_cpu_counts_every_step_as_a_fallback() {
     let fallbacks = &s.totals().decode_backend_fallbacks;
     assert_eq!(fallbacks.len(), 1, "{fallbacks:?}");
     assert_eq!(fallbacks.get(FALLBACK_CPU_DEVICE), Some(&steps));
+    assert_eq!(s.totals().specialized_steps, 0, "the CPU has no fused path");
     // Verify steps are a subset: prefill-only steps fell back as well.
     assert!(steps > s.totals().steps, "{steps} vs {}", s.totals().steps);
 
@@ -180,6 +182,7 @@ fn latency_specialized_on_the_cpu_counts_every_step_as_a_fallback() {
         json["decode_backend_fallbacks"][FALLBACK_CPU_DEVICE],
         serde_json::json!(counted)
     );
+    assert_eq!(json["decode_backend_specialized_steps"], serde_json::json!(0));
 }
 
 #[test]

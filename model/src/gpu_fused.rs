@@ -122,6 +122,9 @@ impl FallbackReason {
     }
 }
 
+/// The fallback kind of a step whose shape the fused kernel supports but whose kernel was not built.
+const NOT_BUILT: &str = "not_built";
+
 /// One sequence's part of a step, as far as backend selection cares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SeqShape {
@@ -298,6 +301,9 @@ pub struct FusedState {
     this_step: bool,
     fused_steps: u64,
     fallbacks: BTreeMap<&'static str, u64>,
+    /// Why the most recent step ran standard with the fused backend selected (None: it ran fused,
+    /// or the standard backend is selected).
+    last_fallback: Option<&'static str>,
 }
 
 impl FusedState {
@@ -600,6 +606,12 @@ impl GpuTransformer {
         self.fused.this_step
     }
 
+    /// Why the most recent step ran the standard step although the fused backend is selected (a
+    /// `FallbackReason::kind`); None when it ran fused or the standard backend is selected.
+    pub fn last_step_fallback(&self) -> Option<&'static str> {
+        self.fused.last_fallback
+    }
+
     /// Steps that ran the fused kernel.
     pub fn fused_steps(&self) -> u64 {
         self.fused.fused_steps
@@ -621,6 +633,7 @@ impl GpuTransformer {
     pub(super) fn fused_decision(&mut self, inputs: &[GpuSeqInput<'_>], batch: usize) -> bool {
         let st = &mut self.fused;
         st.this_step = false;
+        st.last_fallback = None;
         if st.backend != StepBackend::LatencySpecialized {
             return false;
         }
@@ -641,9 +654,16 @@ impl GpuTransformer {
                 st.fused_steps += 1;
                 true
             }
-            Ok(()) => false,
+            Ok(()) => {
+                // Unreachable through set_step_backend (it builds the kernel for every supported
+                // model), but never silent.
+                *st.fallbacks.entry(NOT_BUILT).or_insert(0) += 1;
+                st.last_fallback = Some(NOT_BUILT);
+                false
+            }
             Err(reason) => {
                 *st.fallbacks.entry(reason.kind()).or_insert(0) += 1;
+                st.last_fallback = Some(reason.kind());
                 false
             }
         }

@@ -80,7 +80,10 @@ pub fn run_engine(
     };
     let mut scheduler =
         Scheduler::with_target(target, drafter_ref, model.tokenizer.as_ref(), setup.config);
-    scheduler.set_decode_backend(setup.decode_backend);
+    if let Err(e) = scheduler.set_decode_backend(setup.decode_backend) {
+        let _ = ready.send(Err(e));
+        return;
+    }
     let _ = ready.send(Ok(EngineReady {
         device: scheduler.device(),
         verifier: scheduler.verifier(),
@@ -146,6 +149,7 @@ fn publish_gauges(scheduler: &Scheduler<'_>, metrics: &Arc<Mutex<Metrics>>) {
     m.waiting = scheduler.num_waiting();
     let totals = scheduler.totals();
     m.fallbacks.clone_from(&totals.decode_backend_fallbacks);
+    m.specialized_steps = totals.specialized_steps;
     m.draft_seconds = totals.draft_time.as_secs_f64();
     m.verify_seconds = totals.verify_time.as_secs_f64();
 }

@@ -71,6 +71,8 @@ pub struct Metrics {
     pub ttft: Histogram,
     pub inter_token_latency: Histogram,
     pub fallbacks: BTreeMap<String, u64>,
+    /// Scheduler steps that ran the `latency_specialized` decode backend.
+    pub specialized_steps: u64,
     /// Wall time the scheduler spent drafting and verifying (target forward + acceptance rule), seconds.
     pub draft_seconds: f64,
     pub verify_seconds: f64,
@@ -95,6 +97,7 @@ impl Metrics {
             ttft: Histogram::new(TTFT_BUCKETS),
             inter_token_latency: Histogram::new(ITL_BUCKETS),
             fallbacks: BTreeMap::new(),
+            specialized_steps: 0,
             draft_seconds: 0.0,
             verify_seconds: 0.0,
             requests_finished: BTreeMap::new(),
@@ -215,6 +218,11 @@ impl Metrics {
                 "specula_decode_backend_fallbacks_total{{model_name=\"{m}\",reason=\"{reason}\"}} {v}"
             );
         }
+        let _ = writeln!(
+            out,
+            "# HELP specula_decode_backend_specialized_steps_total Scheduler steps that ran the latency_specialized decode backend (the fused kernel).\n# TYPE specula_decode_backend_specialized_steps_total counter\nspecula_decode_backend_specialized_steps_total{{model_name=\"{m}\"}} {}",
+            self.specialized_steps
+        );
         let _ = writeln!(
             out,
             "# HELP specula_num_requests_running Requests in the decode batch.\n# TYPE specula_num_requests_running gauge\nspecula_num_requests_running{{model_name=\"{m}\"}} {}",

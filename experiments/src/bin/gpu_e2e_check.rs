@@ -26,15 +26,16 @@
 use anyhow::{bail, Context, Result};
 use specula_drafters::Drafter;
 use specula_engine::{
-    build_drafter_on, build_target, generate, DrafterDevice, Event, GenerationRequest, RequestId,
-    Scheduler, SchedulerConfig, SpeculativeConfig, TargetBackend, TargetOptions,
+    build_drafter_on, build_target, generate, DecodeBackend, DrafterDevice, Event,
+    GenerationRequest, RequestId, Scheduler, SchedulerConfig, SpeculativeConfig, TargetBackend,
+    TargetOptions,
 };
 use specula_kernels::cuda::driver_available;
 use specula_kernels::sampling::SamplingParams;
 use specula_model::loader::{load, LoadedModel};
 use specula_model::{SeqInput, Transformer, WeightDtype};
 use specula_verifier::{AcceptanceCounter, AcceptanceRule, SyntheticAcceptance};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -105,6 +106,9 @@ struct RunResult {
     acceptance: AcceptanceCounter,
     verifier: &'static str,
     wall_s: f64,
+    /// Steps that ran the latency_specialized backend, and the others by fallback reason.
+    specialized_steps: u64,
+    fallbacks: BTreeMap<String, u64>,
 }
 
 struct Setup {
@@ -170,6 +174,7 @@ fn run<'t>(
     rule: &AcceptanceRule,
     requests: &[GenerationRequest],
     batch: usize,
+    backend: DecodeBackend,
 ) -> Result<RunResult> {
     let t = Instant::now();
     let drafter: Option<&mut dyn Drafter> = match drafter {
@@ -185,6 +190,7 @@ fn run<'t>(
             prefill_chunk_tokens: 256,
         },
     );
+    s.set_decode_backend(backend)?;
     let verifier = s.verifier();
     let mut ids: HashMap<RequestId, usize> = HashMap::new();
     for (i, r) in requests.iter().enumerate() {
@@ -213,7 +219,28 @@ fn run<'t>(
         acceptance,
         verifier,
         wall_s,
+        specialized_steps: s.totals().specialized_steps,
+        fallbacks: s.totals().decode_backend_fallbacks.clone(),
     })
+}
+
+/// A latency_specialized run: steps ran the fused kernel, and the only fallbacks are steps with a
+/// prompt chunk (prefill alone, or mixed with verify blocks when a request joins a running batch).
+fn judge_backend(r: &RunResult) -> (bool, String) {
+    // Per request; a scheduler step verifies up to `batch` of them at once.
+    let verify_steps = r.acceptance.steps();
+    let others: Vec<String> = r
+        .fallbacks
+        .iter()
+        .filter(|(reason, _)| reason.as_str() != "prefill_chunk")
+        .map(|(reason, n)| format!("{reason} x{n}"))
+        .collect();
+    let ok = others.is_empty() && r.specialized_steps > 0;
+    let detail = format!(
+        "{} fused steps ({verify_steps} request verify steps), fallbacks {:?}",
+        r.specialized_steps, r.fallbacks
+    );
+    (ok, detail)
 }
 
 /// The CPU target's logits after `prompt` + `prefix`.
@@ -441,6 +468,7 @@ fn main() -> Result<()> {
                 &AcceptanceRule::Greedy,
                 &setup.requests(k, greedy),
                 batch,
+                DecodeBackend::Standard,
             )?;
             let (verdict, detail) = judge_greedy(&setup, &cpu_plain, &r.tokens, tolerance)?;
             let what = format!("greedy {} k={k}", method.name());
@@ -471,6 +499,7 @@ fn main() -> Result<()> {
                 &AcceptanceRule::Greedy,
                 &setup.requests(k, greedy),
                 batch,
+                DecodeBackend::Standard,
             )?;
             let device = &device_greedy[&(method, k, batch)];
             let same = device.iter().zip(&r.tokens).filter(|(a, b)| a == b).count();
@@ -507,6 +536,7 @@ fn main() -> Result<()> {
             &AcceptanceRule::Standard,
             &requests,
             MAX_RUNNING,
+            DecodeBackend::Standard,
         )?;
         let mut cpu_drafter = setup.drafter(method, k, false)?;
         let mut cpu = build_target(specula_engine::Device::Cpu, model, &device_opts)?;
@@ -516,6 +546,7 @@ fn main() -> Result<()> {
             &AcceptanceRule::Standard,
             &requests,
             MAX_RUNNING,
+            DecodeBackend::Standard,
         )?;
         let (verdict, detail) =
             judge_sampled(&setup, &r, k, cpu_r.acceptance.mean_acceptance_length());
@@ -542,6 +573,7 @@ fn main() -> Result<()> {
             &rule,
             &setup.requests(k, greedy),
             MAX_RUNNING,
+            DecodeBackend::Standard,
         )?;
         let (mut verdict, mut detail) = judge_sampled(&setup, &r, k, None);
         let al = r.acceptance.mean_acceptance_length().unwrap_or(f64::NAN);
@@ -558,6 +590,87 @@ fn main() -> Result<()> {
             batch: MAX_RUNNING,
             verdict,
             detail,
+            acceptance_length: Some(al),
+        });
+    }
+
+    println!(
+        "\n(e) decode backend latency_specialized (the fused kernel) vs plain greedy on the CPU; its \
+         verify steps must run fused, only prefill may fall back:"
+    );
+    let mut fused_target = build_target(specula_engine::Device::Cuda, model, &device_opts)
+        .context("the GPU target for latency_specialized")?;
+    for &(method, k) in &[
+        (Method::Plain, 0),
+        (Method::DraftModel, 7),
+        (Method::Dspark, 7),
+    ] {
+        for batch in [1, MAX_RUNNING] {
+            let mut drafter = setup.drafter(method, k, true)?;
+            let r = run(
+                &mut *fused_target,
+                &mut drafter,
+                &AcceptanceRule::Greedy,
+                &setup.requests(k, greedy),
+                batch,
+                DecodeBackend::LatencySpecialized,
+            )?;
+            let (mut verdict, mut detail) = judge_greedy(&setup, &cpu_plain, &r.tokens, tolerance)?;
+            let (fused_ok, backend_detail) = judge_backend(&r);
+            if !fused_ok {
+                verdict = Verdict::Fail;
+            }
+            detail = format!("{backend_detail}; {detail}");
+            let what = format!("fused greedy {} k={k}", method.name());
+            println!(
+                "  {what:<28} batch {batch}: {} ({:.2} s) {detail}",
+                verdict.label(),
+                r.wall_s
+            );
+            rows.push(Row {
+                what,
+                batch,
+                verdict,
+                detail: detail.lines().next().unwrap_or("").to_string(),
+                acceptance_length: r.acceptance.mean_acceptance_length(),
+            });
+        }
+    }
+    {
+        let k = 7;
+        let rule =
+            AcceptanceRule::Synthetic(SyntheticAcceptance::from_mean_length(SYNTHETIC_LENGTH, k)?);
+        let mut drafter = setup.drafter(Method::Dspark, k, true)?;
+        let r = run(
+            &mut *fused_target,
+            &mut drafter,
+            &rule,
+            &setup.requests(k, greedy),
+            1,
+            DecodeBackend::LatencySpecialized,
+        )?;
+        let (mut verdict, mut detail) = judge_sampled(&setup, &r, k, None);
+        let al = r.acceptance.mean_acceptance_length().unwrap_or(f64::NAN);
+        if al.is_nan() || (al - SYNTHETIC_LENGTH).abs() > 0.3 {
+            verdict = Verdict::Fail;
+            detail.push_str(&format!(
+                "; AL {al:.3} is not within 0.3 of {SYNTHETIC_LENGTH}"
+            ));
+        }
+        let (fused_ok, backend_detail) = judge_backend(&r);
+        if !fused_ok {
+            verdict = Verdict::Fail;
+        }
+        let what = format!("fused synthetic L={SYNTHETIC_LENGTH} dspark k={k}");
+        println!(
+            "  {what:<28} batch 1: {} {backend_detail}; {detail}",
+            verdict.label()
+        );
+        rows.push(Row {
+            what,
+            batch: 1,
+            verdict,
+            detail: format!("{backend_detail}; {detail}"),
             acceptance_length: Some(al),
         });
     }
