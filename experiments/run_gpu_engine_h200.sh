@@ -17,9 +17,9 @@ serve_once() {  # $1 label, $2 speculative config
     local pid=$!
     for _ in $(seq 1 120); do curl -sf localhost:$port/health > /dev/null && break; sleep 0.5; done
     for p in "def read_config(path):" "ROMEO:" "The capital of France is"; do
-        curl -s localhost:$port/v1/completions -d "{\"model\": \"default\", \"prompt\": \"$p\", \"max_tokens\": 64}"; echo
+        curl -s localhost:$port/v1/completions -d "{\"model\": \"specula-default\", \"prompt\": \"$p\", \"max_tokens\": 64}"; echo
     done > "$out/serve_$1_completions.jsonl"
-    curl -s localhost:$port/v1/chat/completions -d '{"model": "default", "messages": [{"role": "user", "content": "Write a haiku"}], "max_tokens": 48, "stream": true}' > "$out/serve_$1_stream.txt"
+    curl -s localhost:$port/v1/completions -d '{"model": "specula-default", "prompt": "ROMEO:", "max_tokens": 48, "stream": true}' > "$out/serve_$1_stream.txt"
     curl -s localhost:$port/metrics > "$out/serve_$1_metrics.txt"
     kill $pid; wait $pid 2>/dev/null
     echo "serve $1: $(grep -c '"choices"' "$out/serve_$1_completions.jsonl")/3 completions; $(grep -E '^specula_(acceptance_length|draft|verify|decode_backend)' "$out/serve_$1_metrics.txt" | head -8 | tr '\n' ';')"
