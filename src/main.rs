@@ -53,6 +53,59 @@ enum BenchCommand {
     /// Decode/verify step time of the GPU forward (CUDA graphs) at fixed running requests, against
     /// the copy-bandwidth floor; writes step_bench_<shape>.json and .md into --out.
     Step(StepBenchArgs),
+    /// End-to-end tokens/s per user on the GPU: the engine's scheduler, a drafter and the GPU target
+    /// with synthetic acceptance, for each decode backend; writes e2e_bench_<shape>.json and .md into
+    /// --out.
+    E2e(E2eBenchArgs),
+}
+
+#[derive(Args)]
+struct E2eBenchArgs {
+    /// The target: a random-weight model of a real shape (llama3.2-1b | llama3.1-8b |
+    /// qwen2.5-coder-1.5b), built on the GPU.
+    #[arg(long, default_value = "llama3.2-1b")]
+    random_weights: String,
+    /// Decode backends measured side by side: standard, latency_specialized.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "standard,latency_specialized"
+    )]
+    backends: Vec<String>,
+    /// draft-random (a random-weight draft model on the GPU: the target's vocabulary, hidden 512,
+    /// 4 layers) or ngram (prompt lookup on the CPU; proposes fewer than k tokens when it finds no
+    /// match, so the measured acceptance length falls below --acceptance-length).
+    #[arg(long, default_value = "draft-random")]
+    drafter: String,
+    /// Requests running together in each run.
+    #[arg(long, default_value_t = 1)]
+    requests: usize,
+    /// Draft tokens per verify step, 1..=16.
+    #[arg(long, default_value_t = 7)]
+    k: usize,
+    /// Synthetic mean acceptance length (bonus token included), in (1, k + 1].
+    #[arg(long, default_value_t = 3.78)]
+    acceptance_length: f64,
+    /// Prompt tokens per request (seeded random ids).
+    #[arg(long, default_value_t = 128)]
+    context: usize,
+    /// Tokens generated per request (exactly: no stop tokens).
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// Timed runs per backend (after the warm-up).
+    #[arg(long, default_value_t = 10)]
+    runs: usize,
+    /// Seed of the target's weights (the draft model's: seed + 1), prompts and request seeds.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Sampling temperature of the requests (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Skip timing cuBLAS against the skinny kernel for the target's linear layers.
+    #[arg(long)]
+    no_tune: bool,
+    #[arg(long, default_value = "experiments/results/e2e_bench")]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -821,6 +874,7 @@ fn main() -> Result<()> {
         Command::Experiment(e) => cmd_experiment(e),
         Command::Serve(a) => cmd_serve(a),
         Command::Bench(BenchCommand::Step(a)) => cmd_bench_step(a),
+        Command::Bench(BenchCommand::E2e(a)) => cmd_bench_e2e(a),
     }
 }
 
@@ -855,5 +909,50 @@ fn cmd_bench_step(_: StepBenchArgs) -> Result<()> {
     bail!(
         "`specula bench step` needs the GPU backend: rebuild with `cargo build --release --features cuda`; \
          CPU timings: `cargo run --release -p specula-experiments --bin cpu_bench`"
+    )
+}
+
+/// The configuration of `specula bench e2e`, checked (no GPU needed for that).
+fn e2e_bench_config(a: E2eBenchArgs) -> Result<specula_experiments::e2e_bench::E2eBenchConfig> {
+    use specula_experiments::e2e_bench::{parse_backend, E2eBenchConfig};
+    let cfg = E2eBenchConfig {
+        random_weights: a.random_weights,
+        seed: a.seed,
+        backends: a
+            .backends
+            .iter()
+            .map(|b| parse_backend(b).map_err(|e| anyhow::anyhow!("--backends: {e}")))
+            .collect::<Result<_>>()?,
+        drafter: a
+            .drafter
+            .parse()
+            .map_err(|e| anyhow::anyhow!("--drafter: {e}"))?,
+        requests: a.requests,
+        k: a.k,
+        acceptance_length: a.acceptance_length,
+        context: a.context,
+        max_tokens: a.max_tokens,
+        runs: a.runs,
+        temperature: a.temperature,
+        tune: !a.no_tune,
+        out_dir: a.out,
+    };
+    cfg.validate().map_err(anyhow::Error::msg)?;
+    Ok(cfg)
+}
+
+#[cfg(feature = "cuda")]
+fn cmd_bench_e2e(a: E2eBenchArgs) -> Result<()> {
+    let cfg = e2e_bench_config(a)?;
+    specula_experiments::e2e_bench::run_e2e_bench(cfg).context("specula bench e2e")?;
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cmd_bench_e2e(a: E2eBenchArgs) -> Result<()> {
+    e2e_bench_config(a)?;
+    bail!(
+        "`specula bench e2e` needs the GPU backend: rebuild with `cargo build --release --features cuda` \
+         (and run it on a machine with an NVIDIA GPU)"
     )
 }

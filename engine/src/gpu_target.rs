@@ -32,7 +32,7 @@ use specula_kernels::cuda::sampling::{
     DraftRows, GpuRule, GpuSampler, GpuSamplingError, VerifyBatch, VerifyFailure, VerifyOutput,
 };
 use specula_kernels::sampling::SamplingParams;
-use specula_model::gpu::fused::{supports_model, StepBackend};
+use specula_model::gpu::fused::{supports_model, StepBackend, DEVICE_UNSUPPORTED};
 use specula_model::gpu::{GpuOptions, GpuSeqInput, GpuTransformer};
 use specula_model::{ForwardOutput, ModelConfig, SeqId, SeqInput, Transformer};
 use specula_verifier::{AcceptanceRule, VerifyOutcome};
@@ -101,36 +101,9 @@ impl GpuTarget {
                 specula_kernels::cuda::CudaError::NoDriver.to_string(),
             ));
         }
-        let c = &model.config;
-        let max_running = opts.max_running.max(1);
-        let verify_rows = max_running * MAX_BLOCK_ROWS;
-        let max_prefill_rows = opts.prefill_chunk_tokens.clamp(16, MAX_PREFILL_ROWS);
-        let gpu_opts = GpuOptions {
-            max_sequences: max_running,
-            max_positions: opts.max_positions.min(c.max_position_embeddings).max(1),
-            max_rows: verify_rows + max_prefill_rows,
-            // Every verify block's rows, plus one row for each prompt that finishes in the step.
-            min_logit_rows: verify_rows + max_running,
-        };
-        let mut gpu =
-            GpuTransformer::upload(model, gpu_opts).map_err(|e| EngineError::Gpu(e.to_string()))?;
-        gpu.reserve_tapped_layers(opts.tapped_layers)?;
-        let device = format!("cuda ({}, {})", gpu.device.name, gpu.device.arch);
-        let verify = if opts.verify_on_device {
-            Some(VerifyBuffers::new(
-                &gpu.device.stream,
-                max_running,
-                c.vocab_size,
-            )?)
-        } else {
-            None
-        };
-        Ok(GpuTarget {
-            model: gpu,
-            verify,
-            max_running,
-            device,
-        })
+        let gpu = GpuTransformer::upload(model, Self::gpu_options(&model.config, opts))
+            .map_err(|e| EngineError::Gpu(e.to_string()))?;
+        Self::from_model(gpu, opts)
     }
 
     pub fn model(&self) -> &GpuTransformer {
@@ -243,9 +216,16 @@ impl TargetBackend for GpuTarget {
     fn decode_backend_unavailable(&self, backend: DecodeBackend) -> Option<&'static str> {
         match backend {
             DecodeBackend::Standard => None,
-            DecodeBackend::LatencySpecialized => {
-                supports_model(self.model.config()).err().map(|r| r.kind())
-            }
+            // The model first; then whether the kernel was built (sm_90+, set_decode_backend).
+            DecodeBackend::LatencySpecialized => supports_model(self.model.config())
+                .err()
+                .map(|r| r.kind())
+                .or_else(|| {
+                    self.model
+                        .fused_info()
+                        .is_none()
+                        .then_some(DEVICE_UNSUPPORTED)
+                }),
         }
     }
 
@@ -536,5 +516,72 @@ impl GpuTarget {
             }
         }
         EngineError::Gpu(format!("verify job {seq}: {e}"))
+    }
+}
+
+/// A target around a model that is already on the device: uploaded (`new`) or built there directly
+/// (seeded random weights, `GpuTransformer::random`, so a real shape needs no host copy of its
+/// weights: `specula bench e2e`).
+impl GpuTarget {
+    /// The capacities of the device model for `opts`: every verify block's rows plus the prefill
+    /// rows, and a logits row for each verify row plus one for each prompt that finishes in the step.
+    /// A model handed to `from_model` must have been built with at least these.
+    pub fn gpu_options(config: &ModelConfig, opts: &TargetOptions) -> GpuOptions {
+        let max_running = opts.max_running.max(1);
+        let verify_rows = max_running * MAX_BLOCK_ROWS;
+        GpuOptions {
+            max_sequences: max_running,
+            max_positions: opts
+                .max_positions
+                .min(config.max_position_embeddings)
+                .max(1),
+            max_rows: verify_rows + opts.prefill_chunk_tokens.clamp(16, MAX_PREFILL_ROWS),
+            min_logit_rows: verify_rows + max_running,
+        }
+    }
+
+    /// The target of `model`, sized by `opts`. An error (never a panic) when the model's capacities
+    /// are smaller than `gpu_options(model.config(), opts)`.
+    pub fn from_model(
+        model: GpuTransformer,
+        opts: &TargetOptions,
+    ) -> Result<GpuTarget, EngineError> {
+        let need = Self::gpu_options(model.config(), opts);
+        let have = model.options();
+        if have.max_sequences < need.max_sequences
+            || have.max_positions < need.max_positions
+            || have.max_rows < need.max_rows
+            || model.max_logit_rows() < need.min_logit_rows
+        {
+            return Err(EngineError::InvalidRequest(format!(
+                "the GPU model holds {} sequences x {} positions, {} rows and {} logits rows per step; \
+                 a target for {} running sequences needs {} x {}, {} and {} (GpuTarget::gpu_options)",
+                have.max_sequences,
+                have.max_positions,
+                have.max_rows,
+                model.max_logit_rows(),
+                opts.max_running,
+                need.max_sequences,
+                need.max_positions,
+                need.max_rows,
+                need.min_logit_rows
+            )));
+        }
+        let max_running = need.max_sequences;
+        let vocab = model.config().vocab_size;
+        let mut gpu = model;
+        gpu.reserve_tapped_layers(opts.tapped_layers)?;
+        let device = format!("cuda ({}, {})", gpu.device.name, gpu.device.arch);
+        let verify = if opts.verify_on_device {
+            Some(VerifyBuffers::new(&gpu.device.stream, max_running, vocab)?)
+        } else {
+            None
+        };
+        Ok(GpuTarget {
+            model: gpu,
+            verify,
+            max_running,
+            device,
+        })
     }
 }

@@ -182,7 +182,10 @@ fn latency_specialized_on_the_cpu_counts_every_step_as_a_fallback() {
         json["decode_backend_fallbacks"][FALLBACK_CPU_DEVICE],
         serde_json::json!(counted)
     );
-    assert_eq!(json["decode_backend_specialized_steps"], serde_json::json!(0));
+    assert_eq!(
+        json["decode_backend_specialized_steps"],
+        serde_json::json!(0)
+    );
 }
 
 #[test]

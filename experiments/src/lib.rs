@@ -2,6 +2,7 @@
 //! model hashes, machine, date and git revision.
 
 pub mod acceptance;
+pub mod e2e_bench;
 pub mod plots;
 pub mod prompts;
 #[cfg(feature = "cuda")]

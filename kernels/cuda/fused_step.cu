@@ -1,8 +1,11 @@
-// Fused verification step, v0 (issue 6, the `latency_specialized` decode backend): the whole target
+// Fused verification step, v1 (issue 6, the `latency_specialized` decode backend): the whole target
 // forward of one decode/verify step -- every layer, the final norm and the LM head over the logits rows --
 // in ONE persistent kernel launch. Compiled concatenated after decoder.cu (kernels/src/cuda/mod.rs), so
-// it runs decoder.cu's own device functions: rms_norm_bf16_body, rope_rotate, attention_split_body and
-// skinny_linear_tile (the tensor-core GEMM tile), with the same arithmetic as the standard step.
+// it runs decoder.cu's own device functions for the norms, RoPE and attention (rms_norm_bf16_body,
+// rope_rotate, attention_split_body / attention_gqa_body: the standard step's arithmetic) and the same
+// tensor-core fragments as its skinny GEMM (mma_bf16_16816), but its own GEMM loop: weights stream
+// through a ring of shared-memory slots filled by bulk copies (v0 loaded them into registers per tile as
+// skinny_linear_tile does; measured on the H200 it was slower than the standard step, NOTES v0.6).
 // Acceptance is NOT in this kernel: the step's logits land exactly where the standard step writes them
 // (GpuTransformer's logits buffer, [n_logits, vocab] f32), and the existing argmax_rows / verify_drafts
 // kernels run right after it on the same stream (in the same CUDA graph as the step when captured).
@@ -10,8 +13,10 @@
 // Launch: block 256; grid = number of SMs (fused_forward, up to 255 registers per thread) or twice that
 // (fused_forward_x2, at most 128 registers: two CTAs per SM), or fewer; all CTAs co-resident (launched
 // cooperatively; the host checks occupancy first, model/src/gpu_fused.rs). Dynamic shared memory: the
-// largest of attention_split's buffer, attention_gqa's (when the standard step may use whole-row
-// attention; sized by the context limit) and the GEMM tile's reduction scratch (8 * 64 * 16 floats).
+// GEMM reduction (FUSED_RED_BYTES), then one region that holds the activations during a GEMM phase and
+// the attention scratch during attention (attention_split's buffer, or attention_gqa's when the standard
+// step may use whole-row attention; sized by the context limit), then the weight ring (ring_stages slots
+// of fused_stage_bytes(chunk_k); see below).
 //
 // Phase plan. R = padded step rows (<= 128), L = logits rows. Each phase is a grid-strided loop over its
 // work items (item i runs on CTA i % grid), and phases are separated by a grid barrier (below). Per layer:
@@ -53,40 +58,21 @@
 // same barriers (every buffer's readers and next writers are at least one barrier apart).
 //
 // Determinism: every output element has exactly one owner (one tile, one row, one (row, head) item), no
-// split-K and no atomics on data; the attention slice count is a function of the row's key count only and
-// its combine runs in slice order. So a row's logits do not depend on the grid size or on which CTA runs
-// an item. They depend on the other rows of the step only through the attention body, which follows the
-// standard step's launch-size rule (whole-row for large launches); with split-key attention forced
-// (StepAblation::attention = Split) the fused path is batch-invariant across shapes. The GEMM tile's K order
-// and the 8-warp reduction order are those of the standard path's skinny kernel (per row independent of
-// the row bucket) and the attention bodies are the standard kernels' own, so for R <= 64 with an untuned
-// Gemm (skinny everywhere, no split-K; above 64 rows the standard step uses cuBLAS) the standard step
-// should give bit-identical logits (gpu_fused_check reports it; not yet run on a GPU).
+// split-K and no atomics on data; a tile's K order (chunks, then sub-chunks per warp) and its 8-warp
+// reduction order are fixed, and the attention slice count is a function of the row's key count only,
+// its combine in slice order. So a row's logits do not depend on the grid size or on which CTA runs an
+// item, nor on the other rows of the step except through the attention body, which follows the standard
+// step's launch-size rule (whole-row for large launches); with split-key attention forced
+// (StepAblation::attention = Split) the fused path is batch-invariant across shapes. Its GEMM sums in
+// another order than the standard step's kernels, so the two backends agree to rounding, not bit for bit
+// (v0, which ran skinny_linear_tile itself, was bit-identical; gpu_fused_check reports which).
 //
-// Grid barrier: generation counting on two words of `barrier` in their own 128-byte lines ([0] arrival
-// count, [32] generation). Each CTA: __syncthreads; thread 0 reads the generation, __threadfence (its
-// CTA's writes before the arrival), atomicAdd on the count; the last to arrive resets the count to 0,
-// fences, and bumps the generation; the others spin on a volatile read of the generation with
-// __nanosleep backoff (and trap after FUSED_BARRIER_SPIN_LIMIT polls); then __threadfence (acquire) and
-// __syncthreads. The count is back to 0 after every
-// barrier, so it is 0 between launches and graph replays need no reset (the generation only has to
-// change, wrap-around is fine); the host zeroes both words once at allocation.
+// Grid barrier and weight ring: see fused_grid_barrier and the ring section below.
 //
-// "HBM never idles", simplest form: right before a CTA waits at the barrier that ends a GEMM phase, it
-// issues L2 prefetches of the weight rows of its first work items of the NEXT GEMM phase (QKV -> O ->
-// gate/up -> down -> next layer's QKV / LM head; layer 0's QKV at kernel start), and inside a GEMM phase
-// it prefetches the item `lead` items ahead of the one it computes. lead = prefetch_bytes / tile bytes
-// (at least 1; 0 = off), so at most ~grid * prefetch_bytes of weights are in flight ahead of use: with
-// the 128 KB default, ~17 MB of the H200's 50 MB L2. The non-GEMM phases between (RoPE, attention,
-// norms) and barrier waits thereby overlap the next matrix's first bytes. On sm_90+ this is
-// cp.async.bulk.prefetch.L2 (one instruction per weight row, nothing to wait for); elsewhere a no-op.
-// The arch-specific instruction is isolated in fused_prefetch_l2 below.
-//
-// Activations written inside this kernel are read with coherent loads (skinny_linear_tile with
-// X_READONLY = false): the non-coherent read-only path is invalid for data written during the kernel.
+// Activations written inside this kernel are read with coherent loads (load_coherent_16): the
+// non-coherent read-only path is invalid for data written during the kernel.
 
 #define FUSED_THREADS 256
-#define FUSED_CHUNK_ROWS 64
 
 // Device addresses of one layer's tensors (host: gpu_fused.rs `layer_words`, same order).
 struct FusedLayer {
@@ -136,11 +122,15 @@ struct FusedParams {
     int vocab;
     int max_blocks;
     int block_size;
-    int prefetch_bytes;
+    int ring_stages;  // weight ring slots (2 .. FUSED_MAX_RING)
+    int ring_offset;  // byte offset of the ring in dynamic shared memory (after the phase scratch)
+    int xs_bytes;     // bytes of the activation / attention region (at FUSED_RED_BYTES)
+    int chunk_k;      // weight columns per ring chunk (a multiple of 256)
+    int reserved;
     float eps;
     float scale;
 };
-static_assert(sizeof(FusedParams) == 19 * 8 + 12 * 4, "FusedParams must match gpu_fused.rs PARAMS_WORDS");
+static_assert(sizeof(FusedParams) == 19 * 8 + 16 * 4, "FusedParams must match gpu_fused.rs PARAMS_WORDS");
 
 // Launch flags. Timing only (gpu_fused.rs FusedMode): skip all work and prefetches, keep the barriers
 // (their cost alone); skip attention (its cost by difference). FUSED_WHOLE_ROW_ATTENTION: phase D runs
@@ -152,49 +142,110 @@ static_assert(sizeof(FusedParams) == 19 * 8 + 12 * 4, "FusedParams must match gp
 #define FUSED_WHOLE_ROW_ATTENTION 4
 
 // ---------------------------------------------------------------------------------------------------
-// Architecture-specific part: L2 prefetch of `bytes` bytes at `p` (16-byte aligned, multiple of 16).
+// Weight ring (v1). Every CTA reads its weights as ONE sequence of chunks over the whole step: for each
+// layer its tile range of QKV, O, gate/up and down, then its tile range of the LM head (phases numbered
+// 4 l + {0, 1, 2, 3}, then 4 L). A chunk is 16 weight rows (one output tile) x up to chunk_k
+// columns: 16 contiguous row segments, copied by the TMA engine (cp.async.bulk, sm_90) into one slot of a
+// ring of `ring_stages` slots in shared memory, each slot with its own mbarrier (transaction count = the
+// chunk's bytes). Warp 0 fills the ring at kernel start and refills a slot right after the CTA has
+// consumed it, with the chunk `ring_stages` further down the sequence (lane i copies row i). So the copies run ahead of the
+// computation by the whole ring, across phase boundaries and grid barriers: while a CTA normalises,
+// rotates, attends or waits at a barrier, the next GEMM phase's first chunks are already landing (the
+// weights never depend on the step's activations). Phases that read no weights consume nothing.
+//
+// Row segments land fused_row_stride bytes apart (2 chunk_k + 64): 16-byte fragment loads of two rows in one
+// quarter-warp then hit disjoint banks.
+#define FUSED_XS_PAD 64
+// Row stride and slot size for chunks of `chunk_k` columns (a multiple of 256).
+__device__ __forceinline__ int fused_row_stride(int chunk_k) { return chunk_k * 2 + 64; }
+__device__ __forceinline__ int fused_stage_bytes(int chunk_k) { return 16 * fused_row_stride(chunk_k); }
+#define FUSED_MAX_RING 16
+// A CTA waiting longer than this many polls for a chunk traps (a transaction count that never completes).
+#define FUSED_RING_SPIN_LIMIT (1u << 26)
+
+// Architecture-specific part: mbarriers with transaction counts and bulk copies exist from sm_90. Below,
+// the host never selects the fused backend (gpu_fused.rs: the kernel needs sm_90); these bodies trap.
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-__device__ __forceinline__ void fused_prefetch_l2(const void* p, unsigned int bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+__device__ __forceinline__ unsigned int fused_smem_addr(const void* p) {
+    return (unsigned int)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void fused_mbar_init(unsigned long long* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(fused_smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void fused_mbar_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void fused_mbar_expect(unsigned long long* bar, unsigned int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(fused_smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void fused_bulk_copy(void* dst, const void* src, unsigned int bytes,
+                                                unsigned long long* bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+            fused_smem_addr(dst)),
+        "l"(src), "r"(bytes), "r"(fused_smem_addr(bar))
+        : "memory");
+}
+__device__ __forceinline__ void fused_mbar_wait(unsigned long long* bar, unsigned int parity) {
+    const unsigned int a = fused_smem_addr(bar);
+    unsigned int done = 0, spins = 0;
+    while (true) {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+            : "=r"(done)
+            : "r"(a), "r"(parity)
+            : "memory");
+        if (done) break;
+        if (++spins == FUSED_RING_SPIN_LIMIT) __trap();
+    }
 }
 #else
-__device__ __forceinline__ void fused_prefetch_l2(const void*, unsigned int) {}
+__device__ __forceinline__ void fused_mbar_init(unsigned long long*) { __trap(); }
+__device__ __forceinline__ void fused_mbar_init_fence() {}
+__device__ __forceinline__ void fused_mbar_expect(unsigned long long*, unsigned int) { __trap(); }
+__device__ __forceinline__ void fused_bulk_copy(void*, const void*, unsigned int, unsigned long long*) { __trap(); }
+__device__ __forceinline__ void fused_mbar_wait(unsigned long long*, unsigned int) { __trap(); }
 #endif
 
 // ---------------------------------------------------------------------------------------------------
-// Grid barrier (see the top comment). `bar` points at the zero-initialised barrier words. Watchdog: a CTA
-// that polls more than FUSED_BARRIER_SPIN_LIMIT times (each poll >= 128 ns of backoff plus an L2 round
-// trip: seconds in all, where a whole step takes ~1 ms) traps, so a broken barrier or a grid that is not
-// co-resident fails the launch with an error instead of hanging the process.
-#define FUSED_BARRIER_SPIN_LIMIT (1u << 24)
+// Grid barrier (see the top comment): one 64-bit arrival counter that only grows. A CTA's thread 0 adds 1
+// with release semantics (its CTA's writes, ordered by the __syncthreads before, become visible first),
+// computes the count at which this barrier is complete (the next multiple of the grid size) and polls
+// with acquire loads until it is reached. No reset, no separate generation word: one atomic and the
+// polls per CTA. The counter starts at 0 when the barrier words are allocated (each configuration of the
+// kernel gets its own) and every launch adds a multiple of the grid size, so it stays aligned across
+// launches and graph replays; 64 bits do not wrap. Watchdog: more than FUSED_BARRIER_SPIN_LIMIT polls
+// traps, so a grid that is not co-resident fails the launch instead of hanging the process.
+#define FUSED_BARRIER_SPIN_LIMIT (1u << 26)
 __device__ __forceinline__ void fused_grid_barrier(unsigned int* bar) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        volatile unsigned int* gen_p = bar + 32;
-        const unsigned int gen = *gen_p;
-        __threadfence();
-        const unsigned int arrived = atomicAdd(bar, 1u);
-        if (arrived == gridDim.x - 1) {
-            atomicExch(bar, 0u);
-            __threadfence();
-            atomicAdd(bar + 32, 1u);
-        } else {
-            unsigned int ns = 8, spins = 0;
-            while (*gen_p == gen) {
-                __nanosleep(ns);
-                if (ns < 128) ns *= 2;
-                if (++spins == FUSED_BARRIER_SPIN_LIMIT) __trap();
-            }
+        unsigned long long* count = reinterpret_cast<unsigned long long*>(bar);
+        unsigned long long old;
+        asm volatile("atom.add.release.gpu.u64 %0, [%1], 1;" : "=l"(old) : "l"(count) : "memory");
+        const unsigned long long g = gridDim.x;
+        const unsigned long long target = (old / g + 1) * g;
+        unsigned long long now;
+        unsigned int spins = 0;
+        while (true) {
+            asm volatile("ld.acquire.gpu.u64 %0, [%1];" : "=l"(now) : "l"(count) : "memory");
+            if (now >= target) break;
+            if (++spins > 64) __nanosleep(32);
+            if (spins == FUSED_BARRIER_SPIN_LIMIT) __trap();
         }
-        __threadfence();
     }
     __syncthreads();
 }
 
 // ---------------------------------------------------------------------------------------------------
-// GEMM phases: out (+)= x * w^T over M activation rows, one work item per (16-row weight tile, 64-row
-// activation chunk), tile-major so the chunks of one tile run on neighbouring CTAs at the same time
-// (the second read of the tile's weights then comes from L2).
+// GEMM phases: out (+)= x * w^T over M (<= 128) activation rows. Output tiles of 16 weight rows are split
+// into contiguous ranges, one per CTA (CTA c: tiles [c T / G, (c + 1) T / G)), so each CTA's weights of a
+// phase are one contiguous byte range, streamed through the ring. Within a chunk each warp takes the
+// 32-column sub-chunks w and w + 8; a thread holds 8 consecutive columns of two weight rows (g, g + 8)
+// and of the activation rows nt * 8 + g, the k-permuted m16n8k16 fragments of skinny_linear_tile, and
+// accumulates the tile over all of its chunks in registers; at the tile's end the 8 warps' partial sums
+// are reduced in warp order through shared memory (deterministic; independent of the grid size).
 struct FusedGemm {
     const unsigned short* w;
     const unsigned short* x;
@@ -204,54 +255,7 @@ struct FusedGemm {
     int N, K, M, accumulate;
 };
 
-__device__ __forceinline__ int fused_gemm_items(const FusedGemm& g) {
-    return ((g.N + 15) / 16) * ((g.M + FUSED_CHUNK_ROWS - 1) / FUSED_CHUNK_ROWS);
-}
-
-// Items of the CTA's own queue prefetched ahead: prefetch_bytes / bytes of one tile's weights, at least 1.
-__device__ __forceinline__ int fused_lead(const FusedGemm& g, int prefetch_bytes) {
-    if (prefetch_bytes <= 0) return 0;
-    int tile_bytes = 16 * g.K * 2;
-    return max(1, prefetch_bytes / tile_bytes);
-}
-
-// One bulk prefetch per weight row of the item's tile, by threads 0..15.
-__device__ __forceinline__ void fused_prefetch_item(const FusedGemm& g, int item) {
-    int chunks = (g.M + FUSED_CHUNK_ROWS - 1) / FUSED_CHUNK_ROWS;
-    int r = (item / chunks) * 16 + (int)threadIdx.x;
-    if (threadIdx.x < 16 && r < g.N) fused_prefetch_l2(g.w + (size_t)r * g.K, (unsigned int)g.K * 2u);
-}
-
-// The first `lead` items of this CTA's queue in phase g (issued before a barrier wait).
-__device__ __forceinline__ void fused_prefetch_phase(const FusedGemm& g, int prefetch_bytes) {
-    int lead = fused_lead(g, prefetch_bytes), items = fused_gemm_items(g);
-    for (int k = 0; k < lead; ++k) {
-        int item = blockIdx.x + k * gridDim.x;
-        if (item >= items) break;
-        fused_prefetch_item(g, item);
-    }
-}
-
-// One tile with the skinny kernel's row bucket for `mc` rows (the same template the standard step's
-// skinny_linear_m* launch uses for that many rows).
-template <bool SWIGLU>
-__device__ __forceinline__ void fused_tile(int mc, const unsigned short* w, const unsigned short* x, float* out,
-                                           unsigned short* act, int N, int K, int accumulate, int tile, float* red) {
-    if (mc <= 8) {
-        skinny_linear_tile<1, 4, SWIGLU, false, false>(w, x, out, N, K, mc, accumulate, 1, act, tile, 0, red);
-    } else if (mc <= 16) {
-        skinny_linear_tile<2, 4, SWIGLU, false, false>(w, x, out, N, K, mc, accumulate, 1, act, tile, 0, red);
-    } else if (mc <= 32) {
-        skinny_linear_tile<4, 2, SWIGLU, false, false>(w, x, out, N, K, mc, accumulate, 1, act, tile, 0, red);
-    } else {
-        skinny_linear_tile<8, 2, SWIGLU, false, false>(w, x, out, N, K, mc, accumulate, 1, act, tile, 0, red);
-    }
-}
-
-// Tapped layers (drafters that condition on target features, e.g. DSpark): after the down projection of
-// layer l, the residual stream x is copied into every slot s whose layer (byte s of `layers`) is l, at
-// buf + s * stride, [rows, hidden] -- what the standard step's device-to-device copy writes. Each down
-// tile copies the elements it owns, right after writing them.
+// Tapped-layer copies of the residual stream (see fused_tile_out).
 struct FusedTaps {
     float* buf;
     unsigned long long layers;  // slot s -> layer in bits 8 s .. 8 s + 7
@@ -259,52 +263,276 @@ struct FusedTaps {
     int stride;                 // floats per slot
 };
 
-__device__ __noinline__ void fused_gemm_phase(const FusedGemm& g, int prefetch_bytes, float* red,
-                                              const FusedTaps* taps, int layer) {
-    bool tapped = false;
-    if (taps) {
-        for (int s = 0; s < taps->count; ++s) tapped |= ((taps->layers >> (8 * s)) & 0xffull) == (unsigned)layer;
+// The weight matrix (w, N rows, K columns) of sequence phase `phase`.
+__device__ __forceinline__ void fused_phase_matrix(const FusedParams& p, int phase, const unsigned short** w, int* N,
+                                                   int* K) {
+    const int width = (p.n_heads + 2 * p.n_kv_heads) * p.head_dim;
+    if (phase >= 4 * p.n_layers) {
+        *w = p.lm_head;
+        *N = p.vocab;
+        *K = p.hidden;
+        return;
     }
-    const int chunks = (g.M + FUSED_CHUNK_ROWS - 1) / FUSED_CHUNK_ROWS;
-    const int items = fused_gemm_items(g);
-    const int lead = fused_lead(g, prefetch_bytes);
-    for (int item = blockIdx.x; item < items; item += gridDim.x) {
-        if (lead > 0) {
-            int ahead = item + lead * gridDim.x;
-            if (ahead < items) fused_prefetch_item(g, ahead);
+    const FusedLayer* L = p.layers + phase / 4;
+    switch (phase % 4) {
+        case 0: *w = L->wqkv; *N = width; *K = p.hidden; break;
+        case 1: *w = L->wo; *N = p.hidden; *K = p.n_heads * p.head_dim; break;
+        case 2: *w = L->w_gate_up; *N = 2 * p.ffn; *K = p.hidden; break;
+        default: *w = L->w_down; *N = p.hidden; *K = p.ffn; break;
+    }
+}
+
+__device__ __forceinline__ void fused_tile_range(int N, int* t0, int* t1) {
+    const long long tiles = (N + 15) / 16;
+    *t0 = (int)(tiles * blockIdx.x / gridDim.x);
+    *t1 = (int)(tiles * (blockIdx.x + 1) / gridDim.x);
+}
+
+// Warp 0's position in the chunk sequence (what it copies next; the same in each of its lanes).
+struct FusedProducer {
+    int phase, phases;  // current phase; phases in the sequence (4 L, + 1 with logits rows)
+    int tile, t1, kc, kchunks, N, K;
+    const unsigned short* w;
+    unsigned int issued;  // chunks copied so far (slot = issued % stages)
+};
+
+// Moves to the first phase at or after `phase` where this CTA has tiles.
+__device__ void fused_producer_seek(const FusedParams& p, FusedProducer& q, int phase) {
+    for (q.phase = phase; q.phase < q.phases; ++q.phase) {
+        fused_phase_matrix(p, q.phase, &q.w, &q.N, &q.K);
+        fused_tile_range(q.N, &q.tile, &q.t1);
+        q.kc = 0;
+        q.kchunks = (q.K + p.chunk_k - 1) / p.chunk_k;
+        if (q.tile < q.t1) return;
+    }
+}
+
+// Copies the next chunk of the sequence into its slot; nothing past the end. Called by all 32 lanes of
+// warp 0, which keep identical cursors: lane 0 sets the slot's transaction count, lane i copies row i.
+__device__ void fused_producer_issue(const FusedParams& p, FusedProducer& q, unsigned char* ring,
+                                     unsigned long long* bars, int stages) {
+    if (q.phase >= q.phases) return;
+    const int lane = threadIdx.x & 31;
+    const int slot = (int)(q.issued % (unsigned)stages);
+    unsigned char* dst = ring + (size_t)slot * fused_stage_bytes(p.chunk_k);
+    const int k0 = q.kc * p.chunk_k;
+    const int width = min(p.chunk_k, q.K - k0);
+    const int r0 = q.tile * 16;
+    const int rows = min(16, q.N - r0);
+    const unsigned int bytes = (unsigned int)width * 2u;
+    // No proxy fence before the copies: the consumers' reads of this slot are ordered before them by the
+    // __syncthreads in fused_gemm_ring (the pattern of CUTLASS's TMA pipelines, which release a slot
+    // through an mbarrier). A fence.proxy.async here measured as one chunk in flight per CTA: 2.6 ms
+    // per llama3.2-1b step with any ring depth.
+    if (lane == 0) fused_mbar_expect(&bars[slot], bytes * (unsigned)rows);
+    __syncwarp();
+    if (lane < rows) {
+        fused_bulk_copy(dst + lane * fused_row_stride(p.chunk_k), q.w + (size_t)(r0 + lane) * q.K + k0, bytes, &bars[slot]);
+    }
+    ++q.issued;
+    if (++q.kc == q.kchunks) {
+        q.kc = 0;
+        if (++q.tile == q.t1) fused_producer_seek(p, q, q.phase + 1);
+    }
+}
+
+// The ring as the consumers see it: chunks consumed so far (uniform over the CTA).
+struct FusedRing {
+    unsigned char* slots;
+    unsigned long long* bars;
+    int stages;
+    unsigned int consumed;
+};
+
+// The tile epilogue for activation rows [mbase, mbase + 8 NT) of the tile: the warp-order reduction and
+// the write (SwiGLU, plain, accumulate, bias, tapped copies), skinny_linear_tile's arithmetic. The
+// reduction goes through `red` (FUSED_RED_BYTES) in groups of 4 activation blocks (32 rows).
+#define FUSED_RED_BYTES (8 * 32 * 16 * 4)
+template <int NT>
+__device__ __forceinline__ void fused_tile_out(const FusedGemm& g, float (&c)[NT][4], int mbase, int tile,
+                                               float* red, const FusedTaps* taps, bool tapped, int layer) {
+    float(*red3)[32][16] = reinterpret_cast<float(*)[32][16]>(red);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int grp = 0; grp < NT; grp += 4) {
+        const int gn = NT - grp < 4 ? NT - grp : 4;  // blocks in this group
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            if (j >= gn) break;
+            red3[warp][j * 8 + 2 * t][gq] = c[grp + j][0];
+            red3[warp][j * 8 + 2 * t + 1][gq] = c[grp + j][1];
+            red3[warp][j * 8 + 2 * t][gq + 8] = c[grp + j][2];
+            red3[warp][j * 8 + 2 * t + 1][gq + 8] = c[grp + j][3];
         }
-        const int tile = item / chunks, chunk = item % chunks;
-        const int m0 = chunk * FUSED_CHUNK_ROWS;
-        const int mc = min(FUSED_CHUNK_ROWS, g.M - m0);
-        const unsigned short* x = g.x + (size_t)m0 * g.K;
+        __syncthreads();
+        const int m0 = mbase + grp * 8;  // first activation row of the group
+        const int M = g.M - m0;          // rows left from m0 (only 8 gn are in this group)
         if (g.act) {
-            fused_tile<true>(mc, g.w, x, 0, g.act + (size_t)m0 * (g.N / 2), g.N, g.K, 0, tile, red);
-        } else {
-            float* out = g.out + (size_t)m0 * g.N;
-            fused_tile<false>(mc, g.w, x, out, 0, g.N, g.K, g.accumulate, tile, red);
-            if (g.bias_after) {
-                // The standard step adds the bias after the accumulate: (x + s) + b, element by element.
-                __syncthreads();
-                for (int idx = threadIdx.x; idx < 16 * mc; idx += blockDim.x) {
-                    int m = idx / 16, n = tile * 16 + idx % 16;
-                    if (n < g.N) out[(size_t)m * g.N + n] += g.bias_after[n];
+            const int ffn = g.N / 2;
+            for (int idx = threadIdx.x; idx < 8 * 8 * gn; idx += blockDim.x) {
+                const int m = idx / 8, r = idx % 8;
+                const int f = tile * 8 + r;
+                if (m >= M || f >= ffn) continue;
+                float gs = 0.0f, us = 0.0f;
+#pragma unroll
+                for (int ww = 0; ww < 8; ++ww) {
+                    gs += red3[ww][m][r];
+                    us += red3[ww][m][r + 8];
                 }
+                g.act[(size_t)(m0 + m) * ffn + f] = f32_to_bf16(gs / (1.0f + expf(-gs)) * us);
             }
-            if (tapped) {
-                __syncthreads();
-                for (int s = 0; s < taps->count; ++s) {
-                    if (((taps->layers >> (8 * s)) & 0xffull) != (unsigned)layer) continue;
-                    float* dst = taps->buf + (size_t)s * taps->stride + (size_t)m0 * g.N;
-                    for (int idx = threadIdx.x; idx < 16 * mc; idx += blockDim.x) {
-                        int m = idx / 16, n = tile * 16 + idx % 16;
-                        if (n < g.N) dst[(size_t)m * g.N + n] = out[(size_t)m * g.N + n];
+        } else {
+            for (int idx = threadIdx.x; idx < 16 * 8 * gn; idx += blockDim.x) {
+                const int m = idx / 16, r = idx % 16;
+                const int n = tile * 16 + r;
+                if (m >= M || n >= g.N) continue;
+                float sum = 0.0f;
+#pragma unroll
+                for (int ww = 0; ww < 8; ++ww) sum += red3[ww][m][r];
+                float* dst = g.out + (size_t)(m0 + m) * g.N + n;
+                float v = g.accumulate ? *dst + sum : sum;
+                // The standard step adds the bias after the accumulate: (x + s) + b.
+                if (g.bias_after) v += g.bias_after[n];
+                *dst = v;
+                if (tapped) {
+                    for (int sl = 0; sl < taps->count; ++sl) {
+                        if (((taps->layers >> (8 * sl)) & 0xffull) != (unsigned)layer) continue;
+                        taps->buf[(size_t)sl * taps->stride + (size_t)(m0 + m) * g.N + n] = v;
                     }
                 }
             }
         }
-        __syncthreads();  // the reduction scratch is reused by the next item
+        __syncthreads();  // red is reused by the next group / pass / tile
     }
 }
+
+// One GEMM phase over the ring. NT = 8-row activation blocks per pass (M <= 8 NT, NT <= 8); more than 64
+// rows take two passes over each chunk (rows 0..63, then 64..), accumulators for both kept in registers.
+template <int NT, int PASSES>
+__device__ __noinline__ void fused_gemm_ring(const FusedParams& p, FusedProducer& q, FusedRing& ring,
+                                             const FusedGemm& g, float* red, unsigned char* xs_buf,
+                                             const FusedTaps* taps, int layer) {
+    bool tapped = false;
+    if (taps) {
+        for (int sl = 0; sl < taps->count; ++sl) tapped |= ((taps->layers >> (8 * sl)) & 0xffull) == (unsigned)layer;
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
+    int t0, t1;
+    fused_tile_range(g.N, &t0, &t1);
+    const int chunk_k = p.chunk_k, row_stride = fused_row_stride(chunk_k);
+    const int kchunks = (g.K + chunk_k - 1) / chunk_k;
+    uint4 zero;
+    zero.x = zero.y = zero.z = zero.w = 0u;
+    // The activations, once per phase, into shared memory when they fit (rows FUSED_XS_PAD bytes apart
+    // beyond K, for conflict-free fragment loads): every chunk of every tile then reads them on chip
+    // instead of paying an L2 round trip per chunk. All loads of the copy are in flight together.
+    const int xs_stride = g.K * 2 + FUSED_XS_PAD;
+    const bool staged = t0 < t1 && g.M * xs_stride <= p.xs_bytes;
+    if (staged) {
+        const int per_row = g.K / 8;  // 16-byte pieces
+        const int pieces = g.M * per_row;
+        for (int base = threadIdx.x; base < pieces; base += 4 * FUSED_THREADS) {
+            uint4 v[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int i = base + u * FUSED_THREADS;
+                if (i < pieces) v[u] = load_coherent_16(g.x + (size_t)(i / per_row) * g.K + (size_t)(i % per_row) * 8);
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int i = base + u * FUSED_THREADS;
+                if (i < pieces) {
+                    *reinterpret_cast<uint4*>(xs_buf + (size_t)(i / per_row) * xs_stride + (i % per_row) * 16) = v[u];
+                }
+            }
+        }
+        __syncthreads();
+    }
+    for (int tile = t0; tile < t1; ++tile) {
+        float c[PASSES][NT][4];
+#pragma unroll
+        for (int ps = 0; ps < PASSES; ++ps)
+#pragma unroll
+            for (int i = 0; i < NT; ++i) c[ps][i][0] = c[ps][i][1] = c[ps][i][2] = c[ps][i][3] = 0.0f;
+        for (int kc = 0; kc < kchunks; ++kc) {
+            const int slot = (int)(ring.consumed % (unsigned)ring.stages);
+            const unsigned int parity = (ring.consumed / (unsigned)ring.stages) & 1u;
+            fused_mbar_wait(&ring.bars[slot], parity);
+            const unsigned char* st = ring.slots + (size_t)slot * fused_stage_bytes(chunk_k);
+            const int k0 = kc * chunk_k;
+            const int width = min(chunk_k, g.K - k0);
+            // Warp w takes the 32-column sub-chunks w, w + 8, ...; HG of them at a time, their activation
+            // loads issued together (one L2 round trip per group when the activations are not staged).
+            constexpr int HG = NT >= 4 ? 1 : 4 / NT;
+            for (int h0 = 0; 8 * h0 * 32 < width; h0 += HG) {
+                uint4 a_lo[HG], a_hi[HG], b[HG][PASSES][NT];
+#pragma unroll
+                for (int j = 0; j < HG; ++j) {
+                    const int sc = warp + 8 * (h0 + j);
+                    const bool ok = sc * 32 < width;
+                    const int kl = sc * 32 + t * 8;
+                    a_lo[j] = ok ? *reinterpret_cast<const uint4*>(st + gq * row_stride + kl * 2) : zero;
+                    a_hi[j] = ok ? *reinterpret_cast<const uint4*>(st + (gq + 8) * row_stride + kl * 2) : zero;
+#pragma unroll
+                    for (int ps = 0; ps < PASSES; ++ps) {
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt) {
+                            const int m = ps * 64 + nt * 8 + gq;
+                            if (!ok || m >= g.M) {
+                                b[j][ps][nt] = zero;
+                            } else if (staged) {
+                                b[j][ps][nt] =
+                                    *reinterpret_cast<const uint4*>(xs_buf + (size_t)m * xs_stride + (k0 + kl) * 2);
+                            } else {
+                                b[j][ps][nt] = load_coherent_16(g.x + (size_t)m * g.K + k0 + kl);
+                            }
+                        }
+                    }
+                }
+#pragma unroll
+                for (int j = 0; j < HG; ++j) {
+#pragma unroll
+                    for (int ps = 0; ps < PASSES; ++ps) {
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt) {
+                            mma_bf16_16816(c[ps][nt], a_lo[j].x, a_hi[j].x, a_lo[j].y, a_hi[j].y, b[j][ps][nt].x,
+                                           b[j][ps][nt].y);
+                            mma_bf16_16816(c[ps][nt], a_lo[j].z, a_hi[j].z, a_lo[j].w, a_hi[j].w, b[j][ps][nt].z,
+                                           b[j][ps][nt].w);
+                        }
+                    }
+                }
+            }
+            __syncthreads();  // every warp is done with the slot
+            if (threadIdx.x < 32) fused_producer_issue(p, q, ring.slots, ring.bars, ring.stages);
+            ++ring.consumed;
+        }
+#pragma unroll
+        for (int ps = 0; ps < PASSES; ++ps) fused_tile_out<NT>(g, c[ps], ps * 64, tile, red, taps, tapped, layer);
+    }
+    if (staged) __syncthreads();  // xs_buf is the attention scratch of the next phase
+}
+
+__device__ __forceinline__ void fused_gemm_phase(const FusedParams& p, FusedProducer& q, FusedRing& ring,
+                                                 const FusedGemm& g, float* red, unsigned char* xs_buf,
+                                                 const FusedTaps* taps, int layer) {
+    if (g.M <= 8) {
+        fused_gemm_ring<1, 1>(p, q, ring, g, red, xs_buf, taps, layer);
+    } else if (g.M <= 16) {
+        fused_gemm_ring<2, 1>(p, q, ring, g, red, xs_buf, taps, layer);
+    } else if (g.M <= 32) {
+        fused_gemm_ring<4, 1>(p, q, ring, g, red, xs_buf, taps, layer);
+    } else if (g.M <= 64) {
+        fused_gemm_ring<8, 1>(p, q, ring, g, red, xs_buf, taps, layer);
+    } else {
+        fused_gemm_ring<8, 2>(p, q, ring, g, red, xs_buf, taps, layer);
+    }
+}
+
+// Tapped layers (drafters that condition on target features, e.g. DSpark): after the down projection of
+// layer l, the residual stream x is copied into every slot s whose layer (byte s of `layers`) is l, at
+// buf + s * stride, [rows, hidden] -- what the standard step's device-to-device copy writes. Each down
+// tile copies the elements it owns, right after writing them (fused_tile_out).
 
 // ---------------------------------------------------------------------------------------------------
 // RMSNorm rows -> bf16 (rms_norm_bf16's body). With `embed`, row r of x is first set to the embedding of
@@ -439,18 +667,38 @@ __device__ __noinline__ void fused_attention_phase(const FusedParams& p, const F
 // The kernel body; the entry points below differ only in their register budget (CTAs per SM).
 __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict__ params, int rows, int n_logits,
                                                    int flags, const FusedTaps& taps) {
-    extern __shared__ __align__(16) float fused_smem[];
+    extern __shared__ __align__(128) unsigned char fused_dyn[];
     __shared__ FusedParams P;
     __shared__ FusedLayer L;
+    __shared__ __align__(8) unsigned long long ring_bars[FUSED_MAX_RING];
     if (threadIdx.x < sizeof(FusedParams) / 8) {
         ((unsigned long long*)&P)[threadIdx.x] = ((const unsigned long long*)params)[threadIdx.x];
     }
     __syncthreads();
     const FusedParams& p = P;
     const bool work = !(flags & FUSED_SKIP_WORK);
-    const int pf = work ? p.prefetch_bytes : 0;
+    // Dynamic shared memory: GEMM reduction | activations (GEMM phases) or attention scratch | weight ring.
+    float* red = reinterpret_cast<float*>(fused_dyn);
+    unsigned char* xs_buf = fused_dyn + FUSED_RED_BYTES;
+    float* attn_smem = reinterpret_cast<float*>(xs_buf);
     const int h = p.hidden, qd = p.n_heads * p.head_dim;
     const int width = (p.n_heads + 2 * p.n_kv_heads) * p.head_dim;
+
+    // The weight ring: thread 0 initialises the slots' barriers, warp 0 starts the first copies.
+    FusedRing ring = {fused_dyn + p.ring_offset, ring_bars, p.ring_stages, 0u};
+    FusedProducer q;
+    q.phases = 4 * p.n_layers + (n_logits > 0 ? 1 : 0);
+    q.issued = 0;
+    if (work && threadIdx.x < 32) {
+        if (threadIdx.x == 0) {
+            for (int i = 0; i < ring.stages; ++i) fused_mbar_init(&ring_bars[i]);
+            fused_mbar_init_fence();
+        }
+        __syncwarp();
+        fused_producer_seek(p, q, 0);
+        for (int i = 0; i < ring.stages; ++i) fused_producer_issue(p, q, ring.slots, ring.bars, ring.stages);
+    }
+    __syncthreads();
 
     for (int l = 0; l < p.n_layers; ++l) {
         if (threadIdx.x < sizeof(FusedLayer) / 8) {
@@ -461,45 +709,33 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
         const FusedGemm o = {L.wo, p.act16, p.x, 0, L.bo, h, qd, rows, 1};
         const FusedGemm gate_up = {L.w_gate_up, p.act16, 0, p.ffn_act16, 0, 2 * p.ffn, h, rows, 0};
         const FusedGemm down = {L.w_down, p.ffn_act16, p.x, 0, 0, h, p.ffn, rows, 1};
-        if (l == 0) fused_prefetch_phase(qkv, pf);
         // A: attention RMSNorm (layer 0: from the embedding rows).
         if (work) {
             fused_norm_phase(p.x, 0, rows, L.attn_norm, p.act16, h, p.eps, l == 0 ? p.embed : 0, p.tokens);
         }
         fused_grid_barrier(p.barrier);
         // B: QKV projection.
-        if (work) fused_gemm_phase(qkv, pf, fused_smem, 0, -1);
-        fused_prefetch_phase(o, pf);
+        if (work) fused_gemm_phase(p, q, ring, qkv, red, xs_buf, 0, -1);
         fused_grid_barrier(p.barrier);
         // C: bias, q/k norm, RoPE, KV append.
         if (work) fused_rope_phase(p, L, rows);
         fused_grid_barrier(p.barrier);
         // D: attention.
         if (work && !(flags & FUSED_SKIP_ATTENTION)) {
-            fused_attention_phase(p, L, rows, fused_smem, (flags & FUSED_WHOLE_ROW_ATTENTION) != 0);
+            fused_attention_phase(p, L, rows, attn_smem, (flags & FUSED_WHOLE_ROW_ATTENTION) != 0);
         }
         fused_grid_barrier(p.barrier);
         // E: O projection + residual (+ o bias).
-        if (work) fused_gemm_phase(o, pf, fused_smem, 0, -1);
-        fused_prefetch_phase(gate_up, pf);
+        if (work) fused_gemm_phase(p, q, ring, o, red, xs_buf, 0, -1);
         fused_grid_barrier(p.barrier);
         // F: FFN RMSNorm.
         if (work) fused_norm_phase(p.x, 0, rows, L.ffn_norm, p.act16, h, p.eps, 0, 0);
         fused_grid_barrier(p.barrier);
         // G: gate/up + SwiGLU.
-        if (work) fused_gemm_phase(gate_up, pf, fused_smem, 0, -1);
-        fused_prefetch_phase(down, pf);
+        if (work) fused_gemm_phase(p, q, ring, gate_up, red, xs_buf, 0, -1);
         fused_grid_barrier(p.barrier);
-        // H: down projection + residual.
-        if (work) fused_gemm_phase(down, pf, fused_smem, taps.count > 0 ? &taps : 0, l);
-        if (l + 1 < p.n_layers) {
-            const FusedLayer* next = p.layers + l + 1;
-            const FusedGemm next_qkv = {next->wqkv, p.act16, p.qkv, 0, 0, width, h, rows, 0};
-            fused_prefetch_phase(next_qkv, pf);
-        } else if (n_logits > 0) {
-            const FusedGemm head = {p.lm_head, p.act16, p.logits, 0, 0, p.vocab, h, n_logits, 0};
-            fused_prefetch_phase(head, pf);
-        }
+        // H: down projection + residual (and the tapped-layer copies).
+        if (work) fused_gemm_phase(p, q, ring, down, red, xs_buf, taps.count > 0 ? &taps : 0, l);
         fused_grid_barrier(p.barrier);
     }
     if (n_logits <= 0) return;
@@ -507,7 +743,7 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
     if (work) fused_norm_phase(p.x, p.logit_rows, n_logits, p.final_norm, p.act16, h, p.eps, 0, 0);
     fused_grid_barrier(p.barrier);
     const FusedGemm head = {p.lm_head, p.act16, p.logits, 0, 0, p.vocab, h, n_logits, 0};
-    if (work) fused_gemm_phase(head, pf, fused_smem, 0, -1);
+    if (work) fused_gemm_phase(p, q, ring, head, red, xs_buf, 0, -1);
 }
 
 // One CTA per SM: up to 255 registers per thread.

@@ -38,15 +38,27 @@ pub const FUSED_MAX_SEQUENCES: usize = 8;
 pub const FUSED_MAX_TOKENS: usize = 16;
 /// Most rows one fused step takes.
 pub const FUSED_MAX_ROWS: usize = FUSED_MAX_SEQUENCES * FUSED_MAX_TOKENS;
-/// Default L2 prefetch lead per CTA (fused_step.cu: ~17 MB in flight over 132 CTAs).
-pub const DEFAULT_PREFETCH_BYTES: usize = 128 << 10;
+/// Bytes of one weight-ring slot for chunks of `chunk_k` columns (fused_step.cu fused_stage_bytes:
+/// 16 rows of 2 chunk_k bytes, 64 bytes of padding each).
+fn stage_bytes(chunk_k: u32) -> usize {
+    16 * (chunk_k as usize * 2 + 64)
+}
+/// Weight columns per ring chunk by default: 16 row copies of 4 KB per 66 KB chunk. Copies of 1 KB
+/// (512 columns) measured ~1.9 us per chunk whatever the ring depth (NOTES v0.7): the copy count, not
+/// the bytes in flight, bounded the rate.
+pub const DEFAULT_CHUNK_K: u32 = 2048;
+/// Ring bytes the default slot count aims at (the rest of shared memory holds activations).
+const DEFAULT_RING_BYTES: usize = 136 << 10;
+/// Most ring slots (fused_step.cu FUSED_MAX_RING) and fewest that make sense (double buffering).
+pub const MAX_RING_STAGES: u32 = 16;
+/// fused_step.cu FUSED_RED_BYTES: the GEMM reduction scratch (8 warps x 32 rows x 16 floats).
+const RED_BYTES: usize = 8 * 32 * 16 * 4;
+const MIN_RING_STAGES: u32 = 2;
 
 const THREADS: u32 = 256;
-/// The GEMM tile's reduction scratch at 64 activation rows: 8 warps x 64 rows x 16 features, f32.
-const GEMM_SCRATCH_BYTES: usize = 8 * 64 * 16 * 4;
 /// Words (8 bytes) of fused_step.cu's `FusedLayer` and `FusedParams` (static_asserts there).
 const LAYER_WORDS: usize = 12;
-const PARAMS_WORDS: usize = 25;
+const PARAMS_WORDS: usize = 27;
 
 const _: () = assert!(FUSED_MAX_TOKENS <= MAX_GRAPH_TOKENS);
 
@@ -122,8 +134,9 @@ impl FallbackReason {
     }
 }
 
-/// The fallback kind of a step whose shape the fused kernel supports but whose kernel was not built.
-const NOT_BUILT: &str = "not_built";
+/// The fallback kind of a step whose shape the fused kernel supports but whose kernel was not built:
+/// the GPU is older than sm_90.
+pub const DEVICE_UNSUPPORTED: &str = "device_unsupported";
 
 /// One sequence's part of a step, as far as backend selection cares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -241,8 +254,12 @@ pub struct FusedOptions {
     pub ctas_per_sm: u32,
     /// CTAs (None: `ctas_per_sm` per SM). Fewer is allowed (tests of the work distribution).
     pub grid: Option<u32>,
-    /// L2 prefetch lead per CTA in bytes (0: no prefetch).
-    pub prefetch_bytes: usize,
+    /// Weight-ring slots per CTA (0: ~136 KB of slots, at least 2; at most `MAX_RING_STAGES`, fewer when
+    /// shared memory runs out); more slots keep more weight bytes in flight ahead of the computation,
+    /// fewer leave more room for on-chip activations.
+    pub ring_stages: u32,
+    /// Weight columns per ring chunk (0: `DEFAULT_CHUNK_K`; a multiple of 256, at most 4096).
+    pub chunk_k: u32,
     /// Launch with `CU_LAUNCH_ATTRIBUTE_COOPERATIVE` (co-residency guaranteed by the driver). Without
     /// it the grid barrier relies on the occupancy check and on nothing else running on the GPU.
     pub cooperative: bool,
@@ -254,7 +271,8 @@ impl Default for FusedOptions {
         FusedOptions {
             ctas_per_sm: 1,
             grid: None,
-            prefetch_bytes: DEFAULT_PREFETCH_BYTES,
+            ring_stages: 0,
+            chunk_k: 0,
             cooperative: true,
             mode: FusedMode::Full,
         }
@@ -275,6 +293,9 @@ pub struct FusedInfo {
     /// Whether the dynamic shared memory holds attention_gqa's buffer, so that launches the standard
     /// step gives whole-row attention get it in the fused kernel too.
     pub whole_row_attention: bool,
+    /// Weight-ring slots per CTA, and the weight columns of one slot's chunk (16 rows).
+    pub ring_stages: u32,
+    pub chunk_k: u32,
 }
 
 /// The compiled kernel and its device-side parameters for one `GpuTransformer`.
@@ -313,7 +334,7 @@ impl FusedState {
     }
 }
 
-/// Host image of fused_step.cu's `FusedParams`: 19 device addresses, then 10 ints and 2 floats of 4
+/// Host image of fused_step.cu's `FusedParams`: 19 device addresses, then 12 ints and 2 floats of 4
 /// bytes, packed two per word (little-endian: the first in the low half), in the struct's order.
 #[derive(Debug, Clone, Default, PartialEq)]
 struct FusedParamsHost {
@@ -345,7 +366,10 @@ struct FusedParamsHost {
     vocab: i32,
     max_blocks: i32,
     block_size: i32,
-    prefetch_bytes: i32,
+    ring_stages: i32,
+    ring_offset: i32,
+    xs_bytes: i32,
+    chunk_k: i32,
     eps: f32,
     scale: f32,
 }
@@ -373,7 +397,7 @@ impl FusedParamsHost {
             self.attn_counters,
             self.barrier,
         ];
-        let small: [u32; 12] = [
+        let small: [u32; 16] = [
             self.n_layers as u32,
             self.hidden as u32,
             self.n_heads as u32,
@@ -383,7 +407,11 @@ impl FusedParamsHost {
             self.vocab as u32,
             self.max_blocks as u32,
             self.block_size as u32,
-            self.prefetch_bytes as u32,
+            self.ring_stages as u32,
+            self.ring_offset as u32,
+            self.xs_bytes as u32,
+            self.chunk_k as u32,
+            0,
             self.eps.to_bits(),
             self.scale.to_bits(),
         ];
@@ -432,6 +460,73 @@ fn layer_words(l: &GpuLayer, s: &CudaStream) -> [u64; LAYER_WORDS] {
     ]
 }
 
+/// How a CTA's dynamic shared memory is split: GEMM reduction | activations or attention scratch |
+/// weight ring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SmemPlan {
+    chunk_k: u32,
+    stages: u32,
+    ring_offset: usize,
+    xs_bytes: usize,
+    whole_row: bool,
+    smem: usize,
+}
+
+/// The shared-memory plan for a CTA with `budget` bytes (`static_smem` of them static): the ring gets
+/// `opts.ring_stages` slots (0: ~DEFAULT_RING_BYTES of them, at least 2) of `opts.chunk_k` columns
+/// (0: DEFAULT_CHUNK_K, halved down to 256 while fewer than 2 slots fit, e.g. at two CTAs per SM); the
+/// middle region everything else, at least the attention scratch (`whole_row`: attention_gqa's buffer,
+/// dropped for split-key attention when it crowds the ring out).
+fn plan_smem(
+    budget: usize,
+    static_smem: usize,
+    attention_split: usize,
+    whole_row: Option<usize>,
+    opts: &FusedOptions,
+) -> Result<SmemPlan, String> {
+    let chunks: Vec<u32> = if opts.chunk_k == 0 {
+        vec![DEFAULT_CHUNK_K, 1024, 512, 256]
+    } else {
+        if !opts.chunk_k.is_multiple_of(256) || opts.chunk_k > 4096 {
+            return Err(format!(
+                "{} columns per ring chunk (a multiple of 256, at most 4096)",
+                opts.chunk_k
+            ));
+        }
+        vec![opts.chunk_k]
+    };
+    let room = budget.saturating_sub(static_smem + RED_BYTES);
+    for &chunk_k in &chunks {
+        let stage = stage_bytes(chunk_k);
+        let cap = if opts.ring_stages == 0 {
+            ((DEFAULT_RING_BYTES / stage) as u32).clamp(MIN_RING_STAGES, MAX_RING_STAGES)
+        } else {
+            opts.ring_stages.min(MAX_RING_STAGES)
+        };
+        for whole in [whole_row, None] {
+            let attn = attention_split.max(whole.unwrap_or(0));
+            let stages = ((room.saturating_sub(attn) / stage) as u32).min(cap);
+            if stages < MIN_RING_STAGES {
+                continue;
+            }
+            let xs_bytes = (room.saturating_sub(stages as usize * stage) / 128) * 128;
+            let ring_offset = RED_BYTES + xs_bytes;
+            return Ok(SmemPlan {
+                chunk_k,
+                stages,
+                ring_offset,
+                xs_bytes,
+                whole_row: whole.is_some(),
+                smem: ring_offset + stages as usize * stage,
+            });
+        }
+    }
+    Err(format!(
+        "{budget} bytes of shared memory per CTA ({static_smem} static) do not hold {MIN_RING_STAGES} weight-ring slots of {} columns beside {RED_BYTES} bytes of reduction and {attention_split} of attention scratch",
+        chunks.last().copied().unwrap_or(256)
+    ))
+}
+
 impl FusedStep {
     /// Compiles fused_step.cu (NVRTC, seconds) and sets the kernel up for `t` with `opts`.
     fn build(t: &GpuTransformer, opts: &FusedOptions) -> Result<FusedStep, ModelError> {
@@ -467,15 +562,35 @@ impl FusedStep {
         // split-key attention (then it differs from the standard step for whole-row launch shapes).
         let whole_row =
             t.whole_row_attention_available() && t.attention_smem + static_smem <= smem_limit;
-        let smem = t
-            .attention_split_smem
-            .max(GEMM_SCRATCH_BYTES)
-            .max(if whole_row { t.attention_smem } else { 0 });
-        if smem + static_smem > smem_limit {
-            return Err(ModelError::Gpu(format!(
-                "fused step: {smem} + {static_smem} bytes of shared memory per CTA, over the device's {smem_limit}"
-            )));
-        }
+        // Shared memory per CTA: the per-block limit, and the SM's share when several CTAs share one.
+        let per_sm = t
+            .device
+            .ctx
+            .attribute(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+            )
+            .map_err(gpu)? as usize;
+        // 1 KB per CTA is reserved by the system on sm_90.
+        let budget = smem_limit.min(per_sm / opts.ctas_per_sm as usize - 1024);
+        // Layout: GEMM reduction | activations or attention scratch | weight ring. The ring gets
+        // `ring_stages` slots (default DEFAULT_RING_STAGES); the middle region everything else, at least
+        // the attention scratch (larger is better: more GEMM phases hold their activations on chip).
+        let plan = plan_smem(
+            budget,
+            static_smem,
+            t.attention_split_smem,
+            whole_row.then_some(t.attention_smem),
+            opts,
+        )
+        .map_err(|e| ModelError::Gpu(format!("fused step: {e}")))?;
+        let SmemPlan {
+            chunk_k,
+            stages,
+            ring_offset,
+            xs_bytes,
+            whole_row,
+            smem,
+        } = plan;
         func.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,
@@ -526,7 +641,10 @@ impl FusedStep {
             vocab: c.vocab_size as i32,
             max_blocks: t.max_blocks as i32,
             block_size: super::GPU_BLOCK_SIZE as i32,
-            prefetch_bytes: opts.prefetch_bytes.min(i32::MAX as usize) as i32,
+            ring_stages: stages as i32,
+            ring_offset: ring_offset as i32,
+            xs_bytes: xs_bytes as i32,
+            chunk_k: chunk_k as i32,
             eps: c.rms_norm_eps,
             // The same expression as the standard step's attention scale (bit-identical).
             scale: 1.0 / (c.head_dim as f32).sqrt(),
@@ -549,6 +667,8 @@ impl FusedStep {
                 blocks_per_sm,
                 num_sms,
                 whole_row_attention: whole_row,
+                ring_stages: stages,
+                chunk_k,
             },
         })
     }
@@ -559,8 +679,11 @@ impl GpuTransformer {
     /// checks that its grid fits on the device at once (an error if not); on a model the kernel does
     /// not support it is still selected, and every step falls back (counted in `fused_fallbacks`).
     pub fn set_step_backend(&mut self, backend: StepBackend) -> Result<(), ModelError> {
+        // The kernel's weight ring needs sm_90 (bulk copies, transaction-count mbarriers); on an older
+        // GPU the backend stays selected and every step falls back as `device_unsupported`.
         if backend == StepBackend::LatencySpecialized
             && self.fused.step.is_none()
+            && self.device.pdl_capable
             && supports_model(&self.config).is_ok()
         {
             let step = FusedStep::build(self, &self.fused.opts)?;
@@ -655,10 +778,9 @@ impl GpuTransformer {
                 true
             }
             Ok(()) => {
-                // Unreachable through set_step_backend (it builds the kernel for every supported
-                // model), but never silent.
-                *st.fallbacks.entry(NOT_BUILT).or_insert(0) += 1;
-                st.last_fallback = Some(NOT_BUILT);
+                // set_step_backend builds the kernel for every supported model on sm_90+.
+                *st.fallbacks.entry(DEVICE_UNSUPPORTED).or_insert(0) += 1;
+                st.last_fallback = Some(DEVICE_UNSUPPORTED);
                 false
             }
             Err(reason) => {
@@ -918,6 +1040,47 @@ mod tests {
     }
 
     #[test]
+    fn shared_memory_plans_fit_and_shrink_chunks_when_needed() {
+        // H200: 227 KB per block (opt-in), 228 KB per SM, 1 KB reserved per CTA.
+        let budget = 232_448;
+        let stat = 5_000;
+        let split = 22_624; // attention_split_smem of llama3.2-1b (group 4, head_dim 64)
+        let p = plan_smem(budget, stat, split, None, &FusedOptions::default()).unwrap();
+        assert_eq!((p.chunk_k, p.stages), (DEFAULT_CHUNK_K, 2));
+        assert!(p.smem + stat <= budget && p.xs_bytes >= split);
+        assert_eq!(p.ring_offset, RED_BYTES + p.xs_bytes);
+        assert_eq!(p.ring_offset % 128, 0);
+        // Two CTAs per SM: 2048-column slots no longer fit twice, the chunk shrinks.
+        let half = 233_472 / 2 - 1024;
+        let p2 = plan_smem(half, stat, split, None, &FusedOptions::default()).unwrap();
+        assert!(p2.chunk_k < DEFAULT_CHUNK_K && p2.stages >= MIN_RING_STAGES);
+        assert!(p2.smem + stat <= half);
+        // A whole-row attention buffer that crowds the ring out is dropped (split-key attention).
+        let p3 = plan_smem(budget, stat, split, Some(150_000), &FusedOptions::default()).unwrap();
+        assert!(!p3.whole_row);
+        let p4 = plan_smem(budget, stat, split, Some(40_000), &FusedOptions::default()).unwrap();
+        assert!(p4.whole_row && p4.xs_bytes >= 40_000);
+        // An explicit chunk is kept or refused, never silently changed.
+        let fixed = FusedOptions {
+            chunk_k: 4096,
+            ..Default::default()
+        };
+        assert!(plan_smem(half, stat, split, None, &fixed).is_err());
+        let bad = FusedOptions {
+            chunk_k: 300,
+            ..Default::default()
+        };
+        assert!(plan_smem(budget, stat, split, None, &bad).is_err());
+        let slots = FusedOptions {
+            chunk_k: 512,
+            ring_stages: 8,
+            ..Default::default()
+        };
+        let p5 = plan_smem(budget, stat, split, None, &slots).unwrap();
+        assert_eq!((p5.chunk_k, p5.stages), (512, 8));
+    }
+
+    #[test]
     fn backends_parse_by_name() {
         for b in [StepBackend::Standard, StepBackend::LatencySpecialized] {
             assert_eq!(b.name().parse::<StepBackend>(), Ok(b));
@@ -934,22 +1097,29 @@ mod tests {
             barrier: 0x2000,
             n_layers: 16,
             hidden: 2048,
-            prefetch_bytes: 131072,
+            ring_stages: 12,
+            ring_offset: 32768,
+            xs_bytes: 4096,
+            chunk_k: 2048,
             eps: 1e-5,
             scale: 0.125,
             ..Default::default()
         };
         let w = p.words();
-        // 19 pointers + 12 four-byte fields = 200 bytes (static_assert in fused_step.cu).
+        // 19 pointers + 16 four-byte fields = 216 bytes (static_assert in fused_step.cu).
         assert_eq!(w.len(), PARAMS_WORDS);
         assert_eq!(w[0], 0x1000);
         assert_eq!(w[18], 0x2000);
         // n_layers then hidden share word 19, the first in the low half.
         assert_eq!(w[19], 16 | (2048u64 << 32));
-        // block_size (9th int) and prefetch_bytes (10th) share word 23; eps and scale word 24.
-        assert_eq!(w[23] >> 32, 131072);
+        // block_size (9th int) and ring_stages (10th) share word 23, ring_offset and xs_bytes word
+        // 24.
+        assert_eq!(w[23] >> 32, 12);
+        assert_eq!(w[24], 32768 | (4096u64 << 32));
+        // chunk_k and the reserved int share word 25; eps and scale word 26.
+        assert_eq!(w[25], 2048);
         assert_eq!(
-            w[24],
+            w[26],
             u64::from(1e-5f32.to_bits()) | (u64::from(0.125f32.to_bits()) << 32)
         );
         assert_eq!(FusedMode::Full.flags(), 0);
