@@ -140,6 +140,11 @@ static_assert(sizeof(FusedParams) == 19 * 8 + 16 * 4, "FusedParams must match gp
 #define FUSED_SKIP_WORK 1
 #define FUSED_SKIP_ATTENTION 2
 #define FUSED_WHOLE_ROW_ATTENTION 4
+// A chunk that spans whole rows (chunk_k >= K) is ONE bulk copy of the tile's 16 contiguous rows, landing
+// unpadded (row stride 2 K: two-way bank conflicts on the fragment loads) instead of 16 row copies. The
+// ring's rate improved with fewer, larger copies (NOTES v0.7; this one: 5% at 1 x 1). On by default
+// (gpu_fused.rs FusedOptions::whole_tile_copies).
+#define FUSED_WHOLE_TILE_COPIES 8
 
 // ---------------------------------------------------------------------------------------------------
 // Weight ring (v1). Every CTA reads its weights as ONE sequence of chunks over the whole step: for each
@@ -294,7 +299,13 @@ struct FusedProducer {
     int tile, t1, kc, kchunks, N, K;
     const unsigned short* w;
     unsigned int issued;  // chunks copied so far (slot = issued % stages)
+    bool whole_tiles;     // FUSED_WHOLE_TILE_COPIES
 };
+
+// Bytes between consecutive weight rows of a chunk in its slot.
+__device__ __forceinline__ int fused_chunk_row_stride(int K, int width, int chunk_k, bool whole_tiles) {
+    return whole_tiles && width == K ? 2 * K : fused_row_stride(chunk_k);
+}
 
 // Moves to the first phase at or after `phase` where this CTA has tiles.
 __device__ void fused_producer_seek(const FusedParams& p, FusedProducer& q, int phase) {
@@ -326,7 +337,10 @@ __device__ void fused_producer_issue(const FusedParams& p, FusedProducer& q, uns
     // per llama3.2-1b step with any ring depth.
     if (lane == 0) fused_mbar_expect(&bars[slot], bytes * (unsigned)rows);
     __syncwarp();
-    if (lane < rows) {
+    if (q.whole_tiles && width == q.K) {
+        // The tile's rows are contiguous in memory: one copy (<= 16 x 2 chunk_k bytes, within the slot).
+        if (lane == 0) fused_bulk_copy(dst, q.w + (size_t)r0 * q.K, bytes * (unsigned)rows, &bars[slot]);
+    } else if (lane < rows) {
         fused_bulk_copy(dst + lane * fused_row_stride(p.chunk_k), q.w + (size_t)(r0 + lane) * q.K + k0, bytes, &bars[slot]);
     }
     ++q.issued;
@@ -419,7 +433,7 @@ __device__ __noinline__ void fused_gemm_ring(const FusedParams& p, FusedProducer
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
     int t0, t1;
     fused_tile_range(g.N, &t0, &t1);
-    const int chunk_k = p.chunk_k, row_stride = fused_row_stride(chunk_k);
+    const int chunk_k = p.chunk_k;
     const int kchunks = (g.K + chunk_k - 1) / chunk_k;
     uint4 zero;
     zero.x = zero.y = zero.z = zero.w = 0u;
@@ -461,6 +475,7 @@ __device__ __noinline__ void fused_gemm_ring(const FusedParams& p, FusedProducer
             const unsigned char* st = ring.slots + (size_t)slot * fused_stage_bytes(chunk_k);
             const int k0 = kc * chunk_k;
             const int width = min(chunk_k, g.K - k0);
+            const int row_stride = fused_chunk_row_stride(g.K, width, chunk_k, q.whole_tiles);
             // Warp w takes the 32-column sub-chunks w, w + 8, ...; HG of them at a time, their activation
             // loads issued together (one L2 round trip per group when the activations are not staged).
             constexpr int HG = NT >= 4 ? 1 : 4 / NT;
@@ -689,6 +704,7 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
     FusedProducer q;
     q.phases = 4 * p.n_layers + (n_logits > 0 ? 1 : 0);
     q.issued = 0;
+    q.whole_tiles = (flags & FUSED_WHOLE_TILE_COPIES) != 0;
     if (work && threadIdx.x < 32) {
         if (threadIdx.x == 0) {
             for (int i = 0; i < ring.stages; ++i) fused_mbar_init(&ring_bars[i]);

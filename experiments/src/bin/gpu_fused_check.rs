@@ -22,14 +22,14 @@
 //! which the variant forces or leaves to the launch size): the default fused launch (one CTA per SM,
 //! the default weight ring, cooperative) with the launch-size attention choice; a 5-CTA fused grid
 //! with a 2-slot ring of 256-column chunks (many tiles per CTA, the ring wrapping constantly) with split-key
-//! attention; the two-CTAs-per-SM kernel with whole-row attention; the embedded target also runs a
+//! attention; the two-CTAs-per-SM kernel with row copies (16 per chunk) and whole-row attention; the embedded target also runs a
 //! non-cooperative launch. The fused GEMM (v1, weights through the shared-memory ring) sums in another
 //! order than the standard step's kernels, so fused and standard agree to rounding ("not
 //! bit-identical" is expected; v0 was bit-identical).
 //!
 //! `--bench`: llama3.2-1b with seeded random weights; device time per graph replay (CUDA events, the
 //! mean of 10 back-to-back replays per sample) of the standard step (GEMMs tuned as in `specula bench
-//! step`) and of the fused step and its variants (1024- and 512-column ring chunks, barriers only, no
+//! step`) and of the fused step and its variants (1024-column ring chunks, row copies, barriers only, no
 //! attention) at
 //! 1/2/4/8 requests x 1/8 tokens, at `--context` cached positions; medians and P90 in a table, plus the
 //! fused-vs-standard logits difference of each setting.
@@ -507,9 +507,10 @@ fn check_variants(
             AttentionKernel::Split,
         ),
         (
-            "fused 2 CTAs per SM / standard WholeRow attention (both)",
+            "fused 2 CTAs per SM, row copies / standard WholeRow attention (both)",
             FusedOptions {
                 ctas_per_sm: 2,
+                whole_tile_copies: false,
                 ..Default::default()
             },
             AttentionKernel::WholeRow,
@@ -693,10 +694,10 @@ fn bench(args: BenchArgs) -> Result<()> {
             },
         },
         Variant {
-            name: "fused, 512-column chunks",
+            name: "fused, row copies",
             backend: StepBackend::LatencySpecialized,
             opts: FusedOptions {
-                chunk_k: 512,
+                whole_tile_copies: false,
                 ..fused
             },
         },
