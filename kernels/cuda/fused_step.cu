@@ -113,6 +113,7 @@ struct FusedParams {
     float* attn_partials;
     unsigned int* attn_counters;
     unsigned int* barrier;
+    unsigned long long* prof;  // FUSED_PROF_SLOTS counters per CTA, written when FUSED_PROFILE is set
     int n_layers;
     int hidden;
     int n_heads;
@@ -130,7 +131,7 @@ struct FusedParams {
     float eps;
     float scale;
 };
-static_assert(sizeof(FusedParams) == 19 * 8 + 16 * 4, "FusedParams must match gpu_fused.rs PARAMS_WORDS");
+static_assert(sizeof(FusedParams) == 20 * 8 + 16 * 4, "FusedParams must match gpu_fused.rs PARAMS_WORDS");
 
 // Launch flags. Timing only (gpu_fused.rs FusedMode): skip all work and prefetches, keep the barriers
 // (their cost alone); skip attention (its cost by difference). FUSED_WHOLE_ROW_ATTENTION: phase D runs
@@ -145,6 +146,17 @@ static_assert(sizeof(FusedParams) == 19 * 8 + 16 * 4, "FusedParams must match gp
 // ring's rate improved with fewer, larger copies (NOTES v0.7; this one: 5% at 1 x 1). On by default
 // (gpu_fused.rs FusedOptions::whole_tile_copies).
 #define FUSED_WHOLE_TILE_COPIES 8
+// Profiling (gpu_fused.rs FusedMode::Profile, a full step): thread 0 of each CTA sums clock64 cycles per
+// category in shared memory and writes them to params->prof[CTA][slot] at the end. Slots: 0-9 work of
+// phases A B C D E F G H Z1 Z2; 10-19 the grid-barrier wait after each; 20 waits for ring chunks; 21 GEMM
+// tile epilogues (reduction and writes); 22 activation staging; 23 the whole kernel.
+#define FUSED_PROFILE 16
+#define FUSED_PROF_SLOTS 32
+__shared__ unsigned long long fused_prof[FUSED_PROF_SLOTS];
+__shared__ int fused_prof_on;
+__device__ __forceinline__ void fused_prof_add(int slot, long long t0) {
+    if (threadIdx.x == 0 && fused_prof_on) fused_prof[slot] += (unsigned long long)(clock64() - t0);
+}
 
 // ---------------------------------------------------------------------------------------------------
 // Weight ring (v1). Every CTA reads its weights as ONE sequence of chunks over the whole step: for each
@@ -442,6 +454,7 @@ __device__ __noinline__ void fused_gemm_ring(const FusedParams& p, FusedProducer
     // instead of paying an L2 round trip per chunk. All loads of the copy are in flight together.
     const int xs_stride = g.K * 2 + FUSED_XS_PAD;
     const bool staged = t0 < t1 && g.M * xs_stride <= p.xs_bytes;
+    const long long t_stage = clock64();
     if (staged) {
         const int per_row = g.K / 8;  // 16-byte pieces
         const int pieces = g.M * per_row;
@@ -462,6 +475,7 @@ __device__ __noinline__ void fused_gemm_ring(const FusedParams& p, FusedProducer
         }
         __syncthreads();
     }
+    fused_prof_add(22, t_stage);
     for (int tile = t0; tile < t1; ++tile) {
         float c[PASSES][NT][4];
 #pragma unroll
@@ -471,7 +485,9 @@ __device__ __noinline__ void fused_gemm_ring(const FusedParams& p, FusedProducer
         for (int kc = 0; kc < kchunks; ++kc) {
             const int slot = (int)(ring.consumed % (unsigned)ring.stages);
             const unsigned int parity = (ring.consumed / (unsigned)ring.stages) & 1u;
+            const long long t_wait = clock64();
             fused_mbar_wait(&ring.bars[slot], parity);
+            fused_prof_add(20, t_wait);
             const unsigned char* st = ring.slots + (size_t)slot * fused_stage_bytes(chunk_k);
             const int k0 = kc * chunk_k;
             const int width = min(chunk_k, g.K - k0);
@@ -522,8 +538,10 @@ __device__ __noinline__ void fused_gemm_ring(const FusedParams& p, FusedProducer
             if (threadIdx.x < 32) fused_producer_issue(p, q, ring.slots, ring.bars, ring.stages);
             ++ring.consumed;
         }
+        const long long t_out = clock64();
 #pragma unroll
         for (int ps = 0; ps < PASSES; ++ps) fused_tile_out<NT>(g, c[ps], ps * 64, tile, red, taps, tapped, layer);
+        fused_prof_add(21, t_out);
     }
     if (staged) __syncthreads();  // xs_buf is the attention scratch of the next phase
 }
@@ -689,6 +707,9 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
     if (threadIdx.x < sizeof(FusedParams) / 8) {
         ((unsigned long long*)&P)[threadIdx.x] = ((const unsigned long long*)params)[threadIdx.x];
     }
+    if (threadIdx.x < FUSED_PROF_SLOTS) fused_prof[threadIdx.x] = 0;
+    if (threadIdx.x == 0) fused_prof_on = (flags & FUSED_PROFILE) != 0;
+    const long long t_kernel = clock64();
     __syncthreads();
     const FusedParams& p = P;
     const bool work = !(flags & FUSED_SKIP_WORK);
@@ -725,41 +746,48 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
         const FusedGemm o = {L.wo, p.act16, p.x, 0, L.bo, h, qd, rows, 1};
         const FusedGemm gate_up = {L.w_gate_up, p.act16, 0, p.ffn_act16, 0, 2 * p.ffn, h, rows, 0};
         const FusedGemm down = {L.w_down, p.ffn_act16, p.x, 0, 0, h, p.ffn, rows, 1};
+        long long t = clock64();
+        // Phase k's work, then the grid barrier after it, each timed when profiling.
+#define FUSED_PHASE(k, work_stmt)           \
+    t = clock64();                          \
+    work_stmt;                              \
+    fused_prof_add(k, t);                   \
+    t = clock64();                          \
+    fused_grid_barrier(p.barrier);          \
+    fused_prof_add(10 + k, t);
         // A: attention RMSNorm (layer 0: from the embedding rows).
-        if (work) {
-            fused_norm_phase(p.x, 0, rows, L.attn_norm, p.act16, h, p.eps, l == 0 ? p.embed : 0, p.tokens);
-        }
-        fused_grid_barrier(p.barrier);
+        FUSED_PHASE(0, if (work) fused_norm_phase(p.x, 0, rows, L.attn_norm, p.act16, h, p.eps,
+                                                  l == 0 ? p.embed : 0, p.tokens))
         // B: QKV projection.
-        if (work) fused_gemm_phase(p, q, ring, qkv, red, xs_buf, 0, -1);
-        fused_grid_barrier(p.barrier);
+        FUSED_PHASE(1, if (work) fused_gemm_phase(p, q, ring, qkv, red, xs_buf, 0, -1))
         // C: bias, q/k norm, RoPE, KV append.
-        if (work) fused_rope_phase(p, L, rows);
-        fused_grid_barrier(p.barrier);
+        FUSED_PHASE(2, if (work) fused_rope_phase(p, L, rows))
         // D: attention.
-        if (work && !(flags & FUSED_SKIP_ATTENTION)) {
-            fused_attention_phase(p, L, rows, attn_smem, (flags & FUSED_WHOLE_ROW_ATTENTION) != 0);
-        }
-        fused_grid_barrier(p.barrier);
+        FUSED_PHASE(3, if (work && !(flags & FUSED_SKIP_ATTENTION)) fused_attention_phase(
+                           p, L, rows, attn_smem, (flags & FUSED_WHOLE_ROW_ATTENTION) != 0))
         // E: O projection + residual (+ o bias).
-        if (work) fused_gemm_phase(p, q, ring, o, red, xs_buf, 0, -1);
-        fused_grid_barrier(p.barrier);
+        FUSED_PHASE(4, if (work) fused_gemm_phase(p, q, ring, o, red, xs_buf, 0, -1))
         // F: FFN RMSNorm.
-        if (work) fused_norm_phase(p.x, 0, rows, L.ffn_norm, p.act16, h, p.eps, 0, 0);
-        fused_grid_barrier(p.barrier);
+        FUSED_PHASE(5, if (work) fused_norm_phase(p.x, 0, rows, L.ffn_norm, p.act16, h, p.eps, 0, 0))
         // G: gate/up + SwiGLU.
-        if (work) fused_gemm_phase(p, q, ring, gate_up, red, xs_buf, 0, -1);
-        fused_grid_barrier(p.barrier);
+        FUSED_PHASE(6, if (work) fused_gemm_phase(p, q, ring, gate_up, red, xs_buf, 0, -1))
         // H: down projection + residual (and the tapped-layer copies).
-        if (work) fused_gemm_phase(p, q, ring, down, red, xs_buf, taps.count > 0 ? &taps : 0, l);
-        fused_grid_barrier(p.barrier);
+        FUSED_PHASE(7, if (work) fused_gemm_phase(p, q, ring, down, red, xs_buf, taps.count > 0 ? &taps : 0, l))
     }
-    if (n_logits <= 0) return;
-    // Z1: final norm of the logits rows; Z2: LM head.
-    if (work) fused_norm_phase(p.x, p.logit_rows, n_logits, p.final_norm, p.act16, h, p.eps, 0, 0);
-    fused_grid_barrier(p.barrier);
-    const FusedGemm head = {p.lm_head, p.act16, p.logits, 0, 0, p.vocab, h, n_logits, 0};
-    if (work) fused_gemm_phase(p, q, ring, head, red, xs_buf, 0, -1);
+    if (n_logits > 0) {
+        long long t = clock64();
+        // Z1: final norm of the logits rows; Z2: LM head.
+        FUSED_PHASE(8, if (work) fused_norm_phase(p.x, p.logit_rows, n_logits, p.final_norm, p.act16, h, p.eps, 0, 0))
+        const FusedGemm head = {p.lm_head, p.act16, p.logits, 0, 0, p.vocab, h, n_logits, 0};
+        t = clock64();
+        if (work) fused_gemm_phase(p, q, ring, head, red, xs_buf, 0, -1);
+        fused_prof_add(9, t);
+    }
+#undef FUSED_PHASE
+    fused_prof_add(23, t_kernel);
+    if (threadIdx.x == 0 && fused_prof_on && p.prof) {
+        for (int i = 0; i < FUSED_PROF_SLOTS; ++i) p.prof[(size_t)blockIdx.x * FUSED_PROF_SLOTS + i] = fused_prof[i];
+    }
 }
 
 // One CTA per SM: up to 255 registers per thread.

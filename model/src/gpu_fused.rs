@@ -58,7 +58,9 @@ const MIN_RING_STAGES: u32 = 2;
 const THREADS: u32 = 256;
 /// Words (8 bytes) of fused_step.cu's `FusedLayer` and `FusedParams` (static_asserts there).
 const LAYER_WORDS: usize = 12;
-const PARAMS_WORDS: usize = 27;
+const PARAMS_WORDS: usize = 28;
+/// fused_step.cu FUSED_PROF_SLOTS: profile counters per CTA.
+pub const PROF_SLOTS: usize = 32;
 
 const _: () = assert!(FUSED_MAX_TOKENS <= MAX_GRAPH_TOKENS);
 
@@ -232,16 +234,20 @@ pub enum FusedMode {
     BarriersOnly,
     /// Everything but the attention phase (its cost by difference).
     SkipAttention,
+    /// The full step, with per-CTA cycle counters per phase, barrier wait, ring wait, epilogue and
+    /// staging (`GpuTransformer::fused_profile`); the outputs are valid.
+    Profile,
 }
 
 impl FusedMode {
-    /// fused_step.cu's launch flags (FUSED_SKIP_WORK = 1, FUSED_SKIP_ATTENTION = 2).
+    /// fused_step.cu's launch flags (FUSED_SKIP_WORK = 1, FUSED_SKIP_ATTENTION = 2, FUSED_PROFILE = 16).
     fn flags(self) -> i32 {
         // FUSED_WHOLE_ROW_ATTENTION = 4 is added per launch shape by encode_fused.
         match self {
             FusedMode::Full => 0,
             FusedMode::BarriersOnly => 1,
             FusedMode::SkipAttention => 2,
+            FusedMode::Profile => 16,
         }
     }
 }
@@ -312,9 +318,65 @@ struct FusedStep {
     params: CudaSlice<u64>,
     /// `FusedLayer` per layer; `params` points at it.
     _layers: CudaSlice<u64>,
-    /// Grid barrier words ([0] count, [32] generation); zero at allocation, count 0 between launches.
+    /// Grid barrier word (a 64-bit arrival counter at [0..2]); zero at allocation.
     _barrier: CudaSlice<u32>,
+    /// `PROF_SLOTS` cycle counters per CTA, written by profiled launches.
+    prof: CudaSlice<u64>,
     info: FusedInfo,
+}
+
+/// Per-CTA cycle counters of a profiled fused step (fused_step.cu FUSED_PROFILE).
+#[derive(Debug, Clone)]
+pub struct FusedProfile {
+    pub per_cta: Vec<[u64; PROF_SLOTS]>,
+    /// The SM clock the cycles count (the device's nominal rate, kHz).
+    pub clock_khz: f64,
+}
+
+impl FusedProfile {
+    /// Slot names, in slot order (the rest are unused).
+    pub const SLOTS: [&'static str; 24] = [
+        "A attn norm",
+        "B QKV",
+        "C RoPE + KV",
+        "D attention",
+        "E O proj",
+        "F ffn norm",
+        "G gate/up",
+        "H down",
+        "Z1 final norm",
+        "Z2 LM head",
+        "barrier after A",
+        "barrier after B",
+        "barrier after C",
+        "barrier after D",
+        "barrier after E",
+        "barrier after F",
+        "barrier after G",
+        "barrier after H",
+        "barrier after Z1",
+        "(unused)",
+        "ring chunk waits (in B E G H Z2)",
+        "tile epilogues (in B E G H Z2)",
+        "activation staging (in B E G H Z2)",
+        "whole kernel",
+    ];
+
+    /// (name, mean over CTAs, max over CTAs) in microseconds, for each used slot.
+    pub fn summary(&self) -> Vec<(&'static str, f64, f64)> {
+        let n = self.per_cta.len().max(1) as f64;
+        let us = |c: u64| c as f64 / self.clock_khz * 1e3;
+        Self::SLOTS
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != 19)
+            .map(|(i, &name)| {
+                let sum: u64 = self.per_cta.iter().map(|c| c[i]).sum();
+                let max = self.per_cta.iter().map(|c| c[i]).max().unwrap_or(0);
+                (name, us(sum) / n, us(max))
+            })
+            .collect()
+    }
 }
 
 /// The backend selection and the fused kernel's state inside a `GpuTransformer`.
@@ -339,7 +401,7 @@ impl FusedState {
     }
 }
 
-/// Host image of fused_step.cu's `FusedParams`: 19 device addresses, then 12 ints and 2 floats of 4
+/// Host image of fused_step.cu's `FusedParams`: 20 device addresses, then 12 ints and 2 floats of 4
 /// bytes, packed two per word (little-endian: the first in the low half), in the struct's order.
 #[derive(Debug, Clone, Default, PartialEq)]
 struct FusedParamsHost {
@@ -362,6 +424,7 @@ struct FusedParamsHost {
     attn_partials: u64,
     attn_counters: u64,
     barrier: u64,
+    prof: u64,
     n_layers: i32,
     hidden: i32,
     n_heads: i32,
@@ -401,6 +464,7 @@ impl FusedParamsHost {
             self.attn_partials,
             self.attn_counters,
             self.barrier,
+            self.prof,
         ];
         let small: [u32; 16] = [
             self.n_layers as u32,
@@ -614,6 +678,9 @@ impl FusedStep {
         let words: Vec<u64> = t.layers.iter().flat_map(|l| layer_words(l, &s)).collect();
         let layers = s.clone_htod(&words).map_err(gpu)?;
         let barrier = s.alloc_zeros::<u32>(64).map_err(gpu)?;
+        let prof = s
+            .alloc_zeros::<u64>(grid as usize * PROF_SLOTS)
+            .map_err(gpu)?;
         let lay = t.layout;
         let inputs = addr(&t.buf.inputs, &s);
         let at = |offset: usize| inputs + 4 * offset as u64;
@@ -637,6 +704,7 @@ impl FusedStep {
             attn_partials: addr(&t.buf.attn_partials, &s),
             attn_counters: addr(&t.buf.attn_counters, &s),
             barrier: addr(&barrier, &s),
+            prof: addr(&prof, &s),
             n_layers: c.num_layers as i32,
             hidden: c.hidden_size as i32,
             n_heads: c.num_heads as i32,
@@ -664,6 +732,7 @@ impl FusedStep {
             params,
             _layers: layers,
             _barrier: barrier,
+            prof,
             info: FusedInfo {
                 kernel,
                 grid,
@@ -738,6 +807,27 @@ impl GpuTransformer {
     /// `FallbackReason::kind`); None when it ran fused or the standard backend is selected.
     pub fn last_step_fallback(&self) -> Option<&'static str> {
         self.fused.last_fallback
+    }
+
+    /// The counters of the last `FusedMode::Profile` launch (synchronises the stream).
+    pub fn fused_profile(&self) -> Result<Option<FusedProfile>, ModelError> {
+        let Some(step) = self.fused.step.as_ref() else {
+            return Ok(None);
+        };
+        let s = &self.device.stream;
+        let raw = s.clone_dtoh(&step.prof).map_err(gpu)?;
+        let clock_khz = self
+            .device
+            .ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)
+            .map_err(gpu)? as f64;
+        Ok(Some(FusedProfile {
+            per_cta: raw
+                .chunks(PROF_SLOTS)
+                .map(|c| c.try_into().expect("PROF_SLOTS per chunk"))
+                .collect(),
+            clock_khz,
+        }))
     }
 
     /// Steps that ran the fused kernel.
@@ -1092,6 +1182,29 @@ mod tests {
     }
 
     #[test]
+    fn profile_summary_is_mean_and_max_over_ctas_in_microseconds() {
+        let mut a = [0u64; PROF_SLOTS];
+        let mut b = [0u64; PROF_SLOTS];
+        a[1] = 2_000; // QKV: 2000 and 4000 cycles at 1 GHz = 2 and 4 us
+        b[1] = 4_000;
+        b[23] = 10_000;
+        let p = FusedProfile {
+            per_cta: vec![a, b],
+            clock_khz: 1e6,
+        };
+        let rows = p.summary();
+        assert_eq!(
+            rows.len(),
+            FusedProfile::SLOTS.len() - 1,
+            "the unused slot is left out"
+        );
+        let qkv = rows.iter().find(|r| r.0 == "B QKV").unwrap();
+        assert!((qkv.1 - 3.0).abs() < 1e-9 && (qkv.2 - 4.0).abs() < 1e-9);
+        let total = rows.iter().find(|r| r.0 == "whole kernel").unwrap();
+        assert!((total.1 - 5.0).abs() < 1e-9 && (total.2 - 10.0).abs() < 1e-9);
+    }
+
+    #[test]
     fn backends_parse_by_name() {
         for b in [StepBackend::Standard, StepBackend::LatencySpecialized] {
             assert_eq!(b.name().parse::<StepBackend>(), Ok(b));
@@ -1106,6 +1219,7 @@ mod tests {
         let p = FusedParamsHost {
             layers: 0x1000,
             barrier: 0x2000,
+            prof: 0x3000,
             n_layers: 16,
             hidden: 2048,
             ring_stages: 12,
@@ -1117,25 +1231,29 @@ mod tests {
             ..Default::default()
         };
         let w = p.words();
-        // 19 pointers + 16 four-byte fields = 216 bytes (static_assert in fused_step.cu).
+        // 20 pointers + 16 four-byte fields = 224 bytes (static_assert in fused_step.cu).
         assert_eq!(w.len(), PARAMS_WORDS);
         assert_eq!(w[0], 0x1000);
         assert_eq!(w[18], 0x2000);
-        // n_layers then hidden share word 19, the first in the low half.
-        assert_eq!(w[19], 16 | (2048u64 << 32));
-        // block_size (9th int) and ring_stages (10th) share word 23, ring_offset and xs_bytes word
-        // 24.
-        assert_eq!(w[23] >> 32, 12);
-        assert_eq!(w[24], 32768 | (4096u64 << 32));
-        // chunk_k and the reserved int share word 25; eps and scale word 26.
-        assert_eq!(w[25], 2048);
+        assert_eq!(w[19], 0x3000);
+        // n_layers then hidden share word 20, the first in the low half.
+        assert_eq!(w[20], 16 | (2048u64 << 32));
+        // block_size (9th int) and ring_stages (10th) share word 24, ring_offset and xs_bytes word
+        // 25.
+        assert_eq!(w[24] >> 32, 12);
+        assert_eq!(w[25], 32768 | (4096u64 << 32));
+        // chunk_k and the reserved int share word 26; eps and scale word 27.
+        assert_eq!(w[26], 2048);
         assert_eq!(
-            w[26],
+            w[27],
             u64::from(1e-5f32.to_bits()) | (u64::from(0.125f32.to_bits()) << 32)
         );
         assert_eq!(FusedMode::Full.flags(), 0);
         assert_eq!(FusedMode::BarriersOnly.flags(), 1);
         assert_eq!(FusedMode::SkipAttention.flags(), 2);
+        assert_eq!(FusedMode::Profile.flags(), 16);
         assert_eq!(LAYER_WORDS * 8, 96);
+        assert_eq!(FusedProfile::SLOTS.len(), 24);
+        assert!(FusedProfile::SLOTS.len() <= PROF_SLOTS);
     }
 }

@@ -722,6 +722,7 @@ fn bench(args: BenchArgs) -> Result<()> {
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
     // (b, t, per variant (median, p90), fused vs standard logits)
     let mut table = Vec::new();
+    let mut profiles = Vec::new();
     for &b in &[1usize, 2, 4, 8] {
         for &t in &[1usize, 8] {
             gpu.set_step_backend(StepBackend::Standard)?;
@@ -780,6 +781,21 @@ fn bench(args: BenchArgs) -> Result<()> {
                 times[0].0 / times[1].0
             );
             table.push((b, t, times, diff));
+            // Where the fused step's time goes: one profiled step (per-CTA cycle counters).
+            if [(1, 1), (1, 8), (8, 8)].contains(&(b, t)) {
+                gpu.set_step_backend(StepBackend::LatencySpecialized)?;
+                gpu.set_fused_options(FusedOptions {
+                    mode: FusedMode::Profile,
+                    ..fused
+                })?;
+                gpu.forward(&inputs)?;
+                if let Some(prof) = gpu.fused_profile()? {
+                    profiles.push((b, t, prof.summary()));
+                }
+                for &s in &seqs {
+                    gpu.truncate(s, args.context)?;
+                }
+            }
             for s in seqs {
                 gpu.remove_sequence(s)?;
             }
@@ -814,6 +830,28 @@ fn bench(args: BenchArgs) -> Result<()> {
         "targets (issue 6): fused >= 1.8x the standard step at 1-8 requests; <= 0.80 ms at 1 request. Weight floor {floor_ms:.3} ms. Fused barrier cost ~ the 'barriers only' column ({} barriers per step).",
         8 * config.num_layers + 1
     );
+    if !profiles.is_empty() {
+        println!(
+            "\nfused step profile (one profiled step, not a graph replay; per-CTA clock64 cycles at the nominal SM clock, summed over layers; mean / max over CTAs, us):"
+        );
+        print!("| category |");
+        for (b, t, _) in &profiles {
+            print!(" {b} x {t} mean | max |");
+        }
+        println!();
+        print!("|---|");
+        for _ in &profiles {
+            print!("---:|---:|");
+        }
+        println!();
+        for (i, (name, _, _)) in profiles[0].2.iter().enumerate() {
+            print!("| {name} |");
+            for (_, _, rows) in &profiles {
+                print!(" {:.1} | {:.1} |", rows[i].1, rows[i].2);
+            }
+            println!();
+        }
+    }
     Ok(())
 }
 
