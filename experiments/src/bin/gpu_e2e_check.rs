@@ -18,6 +18,10 @@
 //!     non-increasing and adding up); the CPU engine's AL on the same requests is printed beside it.
 //! (d) synthetic acceptance (DSpark k = 7, mean length 3.78) on the device: the measured AL must be
 //!     within 0.3 of 3.78 (steps near max tokens draft fewer, which lowers it slightly).
+//! (e) decode backend `latency_specialized` (the fused kernel): greedy plain, draft model k = 7 and
+//!     DSpark k = 7 at batch 1 and 4 judged as (a); synthetic 3.78 (batch 1) as (d); T = 1 standard
+//!     rule with DSpark k = 7 (batch 4) as (c). Each run must have run fused steps, and its only
+//!     fallbacks must be steps with a prompt chunk (`prefill_chunk`).
 //!
 //! Prints a table and exits nonzero on any FAIL.
 //! cargo build --release -p specula-experiments --features cuda --bin gpu_e2e_check
@@ -672,6 +676,49 @@ fn main() -> Result<()> {
             verdict,
             detail: format!("{backend_detail}; {detail}"),
             acceptance_length: Some(al),
+        });
+    }
+    {
+        // Temperature 1, standard rule, on the fused backend, judged as (c) (the sampling and verify
+        // kernels are the standard path's; the fused kernel only supplies the logits).
+        let k = 7;
+        let requests = setup.requests(k, t1);
+        let mut drafter = setup.drafter(Method::Dspark, k, true)?;
+        let r = run(
+            &mut *fused_target,
+            &mut drafter,
+            &AcceptanceRule::Standard,
+            &requests,
+            MAX_RUNNING,
+            DecodeBackend::LatencySpecialized,
+        )?;
+        let mut cpu_drafter = setup.drafter(Method::Dspark, k, false)?;
+        let mut cpu = build_target(specula_engine::Device::Cpu, model, &device_opts)?;
+        let cpu_r = run(
+            &mut *cpu,
+            &mut cpu_drafter,
+            &AcceptanceRule::Standard,
+            &requests,
+            MAX_RUNNING,
+            DecodeBackend::Standard,
+        )?;
+        let (mut verdict, detail) =
+            judge_sampled(&setup, &r, k, cpu_r.acceptance.mean_acceptance_length());
+        let (fused_ok, backend_detail) = judge_backend(&r);
+        if !fused_ok {
+            verdict = Verdict::Fail;
+        }
+        let what = format!("fused T=1 standard dspark k={k}");
+        println!(
+            "  {what:<28} batch {MAX_RUNNING}: {} {backend_detail}; {detail}",
+            verdict.label()
+        );
+        rows.push(Row {
+            what,
+            batch: MAX_RUNNING,
+            verdict,
+            detail: format!("{backend_detail}; {detail}"),
+            acceptance_length: r.acceptance.mean_acceptance_length(),
         });
     }
 
