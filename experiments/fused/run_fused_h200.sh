@@ -5,15 +5,22 @@
 # written as it runs, so a cut-off call keeps what it produced).
 #
 # The GPU machine has no cargo: build here, then carry the stripped binaries (.carry/ is gitignored):
-#   cargo build --release -p specula-experiments --features cuda --bin gpu_fused_check --bin gpu_forward_check
+#   cargo build --release --features cuda --bin specula
+#   cargo build --release -p specula-experiments --features cuda --bin gpu_fused_check --bin gpu_forward_check --bin gpu_e2e_check
 #   mkdir -p .carry/bin
-#   for b in gpu_fused_check gpu_forward_check; do cp target/release/$b .carry/bin/ && strip .carry/bin/$b; done
+#   for b in specula gpu_fused_check gpu_forward_check gpu_e2e_check; do cp target/release/$b .carry/bin/ && strip .carry/bin/$b; done
 #   echo "$(git rev-parse HEAD)$(git diff --quiet HEAD || echo +dirty)" > .carry/bin/fused.rev
-# and with the device tool (this script is tracked, so it travels with the working tree):
-#   run(command="bash experiments/fused/run_fused_h200.sh forward,check,bench", carry=[".carry/bin"], timeout_s=600)
+# (the working tree plus the carry must stay under 64 MiB: with all four binaries, pack them,
+#  `tar -cJf .carry/pack/bin.tar.xz -C .carry bin`, carry .carry/pack and unpack first), then with the
+# device tool (this script is tracked, so it travels with the working tree):
+#   run(command="bash experiments/fused/run_fused_h200.sh check,bench,engine,step,e2e", carry=[".carry/bin"], timeout_s=600)
 # Parts: forward (gpu_forward_check --quick), check (gpu_fused_check --quick), check-full (without
-# --quick), bench (gpu_fused_check --bench). Extra arguments after the parts go to every gpu_fused_check
-# call (e.g. --no-cooperative if graph capture refuses cooperative launches).
+# --quick), bench (gpu_fused_check --bench, with the in-kernel profile), engine (gpu_e2e_check: the
+# engine on both decode backends; needs SPECULA_DEFAULT_MODELS or the repository's models/), step
+# (`specula bench step --backends standard,latency_specialized`, llama3.2-1b), shapes (the same for
+# qwen2.5-coder-1.5b and llama3.1-8b), e2e (`specula bench e2e`, 1 request, synthetic 3.78, k=7).
+# step/shapes/e2e results go into $OUT/bench.tgz (the device tool returns at most 8 files). Extra
+# arguments after the parts go to every gpu_fused_check call (e.g. --no-cooperative).
 set -uo pipefail
 parts=${1:-forward,check,bench}
 shift || true
@@ -46,5 +53,23 @@ fi
 if has bench; then
   { header; timeout 300 "$bin/gpu_fused_check" --bench ${extra[@]+"${extra[@]}"}; echo "exit $?"; } 2>&1 | tee "$out/gpu_fused_bench_h200.txt"
   grep -q "^exit 0$" "$out/gpu_fused_bench_h200.txt" || status=1
+fi
+export SPECULA_DEFAULT_MODELS=${SPECULA_DEFAULT_MODELS:-$PWD/models/default}
+export SPECULA_GIT_REVISION=${SPECULA_GIT_REVISION:-$(cat "$bin/fused.rev" 2>/dev/null)}
+res=/tmp/fused_bench; mkdir -p "$res"
+pack() { tar -czf "$out/bench.tgz" -C "$res" .; }
+if has engine; then
+  { header; timeout 300 "$bin/gpu_e2e_check" --root "$PWD"; echo "exit $?"; } 2>&1 | tee "$out/gpu_e2e_check_h200.txt"
+  grep -q "^exit 0$" "$out/gpu_e2e_check_h200.txt" || status=1
+fi
+if has step; then
+  timeout 300 "$bin/specula" bench step --random-weights llama3.2-1b --backends standard,latency_specialized --out "$res" 2>&1 | tee "$res/step_llama3.2-1b.txt" | tail -14; pack
+fi
+if has shapes; then
+  timeout 200 "$bin/specula" bench step --random-weights qwen2.5-coder-1.5b --backends standard,latency_specialized --out "$res" 2>&1 | tee "$res/step_qwen.txt" | tail -14; pack
+  timeout 300 "$bin/specula" bench step --random-weights llama3.1-8b --backends standard,latency_specialized --steps 32 --out "$res" 2>&1 | tee "$res/step_l8.txt" | tail -14; pack
+fi
+if has e2e; then
+  timeout 200 "$bin/specula" bench e2e --random-weights llama3.2-1b --backends standard,latency_specialized --drafter draft-random --requests 1 --k 7 --acceptance-length 3.78 --out "$res" 2>&1 | tee "$res/e2e_llama3.2-1b.txt" | tail -6; pack
 fi
 exit $status
