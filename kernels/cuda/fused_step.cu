@@ -151,6 +151,10 @@ static_assert(sizeof(FusedParams) == 20 * 8 + 16 * 4, "FusedParams must match gp
 // phases A B C D E F G H Z1 Z2; 10-19 the grid-barrier wait after each; 20 waits for ring chunks; 21 GEMM
 // tile epilogues (reduction and writes); 22 activation staging; 23 the whole kernel.
 #define FUSED_PROFILE 16
+// The ring filled with cp.async (LDGSTS, 16 bytes per thread per instruction, all 256 threads, one commit
+// group per chunk, `cp.async.wait_group` before use) instead of the TMA engine: an A/B for the measured
+// ~12 GB/s per SM of the bulk-copy ring (NOTES v0.7). Rows always land padded (fused_row_stride).
+#define FUSED_LDGSTS 32
 #define FUSED_PROF_SLOTS 32
 __shared__ unsigned long long fused_prof[FUSED_PROF_SLOTS];
 __shared__ int fused_prof_on;
@@ -217,7 +221,27 @@ __device__ __forceinline__ void fused_mbar_wait(unsigned long long* bar, unsigne
         if (++spins == FUSED_RING_SPIN_LIMIT) __trap();
     }
 }
+__device__ __forceinline__ void fused_cp_async_16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(fused_smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void fused_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most `pending` of this thread's commit groups are in flight (an immediate in PTX).
+__device__ __forceinline__ void fused_cp_async_wait(int pending) {
+    switch (pending) {
+        case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+        case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+        case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+        case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+        case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
+        case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
+        case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
+        default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
+    }
+}
 #else
+__device__ __forceinline__ void fused_cp_async_16(void*, const void*) { __trap(); }
+__device__ __forceinline__ void fused_cp_async_commit() {}
+__device__ __forceinline__ void fused_cp_async_wait(int) {}
 __device__ __forceinline__ void fused_mbar_init(unsigned long long*) { __trap(); }
 __device__ __forceinline__ void fused_mbar_init_fence() {}
 __device__ __forceinline__ void fused_mbar_expect(unsigned long long*, unsigned int) { __trap(); }
@@ -312,12 +336,14 @@ struct FusedProducer {
     const unsigned short* w;
     unsigned int issued;  // chunks copied so far (slot = issued % stages)
     bool whole_tiles;     // FUSED_WHOLE_TILE_COPIES
+    bool ldgsts;          // FUSED_LDGSTS: every thread keeps the cursor and copies its share
 };
 
 // Bytes between consecutive weight rows of a chunk in its slot.
 __device__ __forceinline__ int fused_chunk_row_stride(int K, int width, int chunk_k, bool whole_tiles) {
     return whole_tiles && width == K ? 2 * K : fused_row_stride(chunk_k);
 }
+
 
 // Moves to the first phase at or after `phase` where this CTA has tiles.
 __device__ void fused_producer_seek(const FusedParams& p, FusedProducer& q, int phase) {
@@ -345,8 +371,7 @@ __device__ void fused_producer_issue(const FusedParams& p, FusedProducer& q, uns
     const unsigned int bytes = (unsigned int)width * 2u;
     // No proxy fence before the copies: the consumers' reads of this slot are ordered before them by the
     // __syncthreads in fused_gemm_ring (the pattern of CUTLASS's TMA pipelines, which release a slot
-    // through an mbarrier). A fence.proxy.async here measured as one chunk in flight per CTA: 2.6 ms
-    // per llama3.2-1b step with any ring depth.
+    // through an mbarrier). A fence.proxy.async here made no measurable difference (NOTES v0.7).
     if (lane == 0) fused_mbar_expect(&bars[slot], bytes * (unsigned)rows);
     __syncwarp();
     if (q.whole_tiles && width == q.K) {
@@ -360,6 +385,33 @@ __device__ void fused_producer_issue(const FusedParams& p, FusedProducer& q, uns
         q.kc = 0;
         if (++q.tile == q.t1) fused_producer_seek(p, q, q.phase + 1);
     }
+}
+
+// FUSED_LDGSTS: the next chunk of the sequence into its slot by all threads (16 bytes each per
+// instruction, padded rows), one commit group per call; past the end an empty group, so that "at most
+// stages - 1 groups pending" always means "the chunk about to be consumed has landed".
+__device__ void fused_producer_issue_ldgsts(const FusedParams& p, FusedProducer& q, unsigned char* ring,
+                                            int stages) {
+    if (q.phase < q.phases) {
+        const int slot = (int)(q.issued % (unsigned)stages);
+        unsigned char* dst = ring + (size_t)slot * fused_stage_bytes(p.chunk_k);
+        const int k0 = q.kc * p.chunk_k;
+        const int width = min(p.chunk_k, q.K - k0);
+        const int r0 = q.tile * 16;
+        const int rows = min(16, q.N - r0);
+        const int per_row = width / 8;  // 16-byte pieces
+        const int rs = fused_row_stride(p.chunk_k);
+        for (int i = threadIdx.x; i < rows * per_row; i += blockDim.x) {
+            const int r = i / per_row, c = i % per_row;
+            fused_cp_async_16(dst + r * rs + c * 16, q.w + (size_t)(r0 + r) * q.K + k0 + c * 8);
+        }
+        ++q.issued;
+        if (++q.kc == q.kchunks) {
+            q.kc = 0;
+            if (++q.tile == q.t1) fused_producer_seek(p, q, q.phase + 1);
+        }
+    }
+    fused_cp_async_commit();
 }
 
 // The ring as the consumers see it: chunks consumed so far (uniform over the CTA).
@@ -486,12 +538,17 @@ __device__ __noinline__ void fused_gemm_ring(const FusedParams& p, FusedProducer
             const int slot = (int)(ring.consumed % (unsigned)ring.stages);
             const unsigned int parity = (ring.consumed / (unsigned)ring.stages) & 1u;
             const long long t_wait = clock64();
-            fused_mbar_wait(&ring.bars[slot], parity);
+            if (q.ldgsts) {
+                fused_cp_async_wait(ring.stages - 1);
+                __syncthreads();  // every thread's pieces of the chunk have landed
+            } else {
+                fused_mbar_wait(&ring.bars[slot], parity);
+            }
             fused_prof_add(20, t_wait);
             const unsigned char* st = ring.slots + (size_t)slot * fused_stage_bytes(chunk_k);
             const int k0 = kc * chunk_k;
             const int width = min(chunk_k, g.K - k0);
-            const int row_stride = fused_chunk_row_stride(g.K, width, chunk_k, q.whole_tiles);
+            const int row_stride = fused_chunk_row_stride(g.K, width, chunk_k, q.whole_tiles && !q.ldgsts);
             // Warp w takes the 32-column sub-chunks w, w + 8, ...; HG of them at a time, their activation
             // loads issued together (one L2 round trip per group when the activations are not staged).
             constexpr int HG = NT >= 4 ? 1 : 4 / NT;
@@ -535,7 +592,11 @@ __device__ __noinline__ void fused_gemm_ring(const FusedParams& p, FusedProducer
                 }
             }
             __syncthreads();  // every warp is done with the slot
-            if (threadIdx.x < 32) fused_producer_issue(p, q, ring.slots, ring.bars, ring.stages);
+            if (q.ldgsts) {
+                fused_producer_issue_ldgsts(p, q, ring.slots, ring.stages);
+            } else if (threadIdx.x < 32) {
+                fused_producer_issue(p, q, ring.slots, ring.bars, ring.stages);
+            }
             ++ring.consumed;
         }
         const long long t_out = clock64();
@@ -726,7 +787,11 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
     q.phases = 4 * p.n_layers + (n_logits > 0 ? 1 : 0);
     q.issued = 0;
     q.whole_tiles = (flags & FUSED_WHOLE_TILE_COPIES) != 0;
-    if (work && threadIdx.x < 32) {
+    q.ldgsts = (flags & FUSED_LDGSTS) != 0;
+    if (work && q.ldgsts) {
+        fused_producer_seek(p, q, 0);
+        for (int i = 0; i < ring.stages; ++i) fused_producer_issue_ldgsts(p, q, ring.slots, ring.stages);
+    } else if (work && threadIdx.x < 32) {
         if (threadIdx.x == 0) {
             for (int i = 0; i < ring.stages; ++i) fused_mbar_init(&ring_bars[i]);
             fused_mbar_init_fence();

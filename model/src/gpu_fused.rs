@@ -270,6 +270,9 @@ pub struct FusedOptions {
     /// instead of 16 row copies (fused_step.cu FUSED_WHOLE_TILE_COPIES). On by default: 5% faster on
     /// the H200 at 1 x 1 (NOTES v0.7), parity checked with both.
     pub whole_tile_copies: bool,
+    /// Fill the ring with cp.async (LDGSTS) by all threads instead of the TMA engine (fused_step.cu
+    /// FUSED_LDGSTS): an A/B against the bulk copies' measured per-SM rate. Off by default.
+    pub ldgsts: bool,
     /// Launch with `CU_LAUNCH_ATTRIBUTE_COOPERATIVE` (co-residency guaranteed by the driver). Without
     /// it the grid barrier relies on the occupancy check and on nothing else running on the GPU.
     pub cooperative: bool,
@@ -284,6 +287,7 @@ impl Default for FusedOptions {
             ring_stages: 0,
             chunk_k: 0,
             whole_tile_copies: true,
+            ldgsts: false,
             cooperative: true,
             mode: FusedMode::Full,
         }
@@ -929,7 +933,8 @@ impl GpuTransformer {
                 8
             } else {
                 0
-            };
+            }
+            | if self.fused.opts.ldgsts { 32 } else { 0 };
         // Tapped layers (fused_decision checked supports_taps): the same slots of the same buffer the
         // standard step copies into; the list is part of the graph key.
         let taps = &self.step_taps;

@@ -21,7 +21,8 @@
 //! Variants per model (the fused kernel follows the standard step's attention choice per launch shape,
 //! which the variant forces or leaves to the launch size): the default fused launch (one CTA per SM,
 //! the default weight ring, cooperative) with the launch-size attention choice; a 5-CTA fused grid
-//! with a 2-slot ring of 256-column chunks (many tiles per CTA, the ring wrapping constantly) with split-key
+//! with a 2-slot ring of 256-column chunks filled by cp.async instead of the TMA engine (many tiles per
+//! CTA, the ring wrapping constantly) with split-key
 //! attention; the two-CTAs-per-SM kernel with row copies (16 per chunk) and whole-row attention; the embedded target also runs a
 //! non-cooperative launch. The fused GEMM (v1, weights through the shared-memory ring) sums in another
 //! order than the standard step's kernels, so fused and standard agree to rounding ("not
@@ -29,7 +30,7 @@
 //!
 //! `--bench`: llama3.2-1b with seeded random weights; device time per graph replay (CUDA events, the
 //! mean of 10 back-to-back replays per sample) of the standard step (GEMMs tuned as in `specula bench
-//! step`) and of the fused step and its variants (1024-column ring chunks, row copies, barriers only, no
+//! step`) and of the fused step and its variants (1024-column ring chunks, row copies, cp.async copies, barriers only, no
 //! attention) at
 //! 1/2/4/8 requests x 1/8 tokens, at `--context` cached positions; medians and P90 in a table, plus the
 //! fused-vs-standard logits difference of each setting.
@@ -497,11 +498,12 @@ fn check_variants(
             AttentionKernel::Auto,
         ),
         (
-            "fused 5 CTAs, 2 ring slots of 256 columns / standard Split attention",
+            "fused 5 CTAs, 2 ring slots of 256 columns by cp.async / standard Split attention",
             FusedOptions {
                 grid: Some(5),
                 ring_stages: 2,
                 chunk_k: 256,
+                ldgsts: true,
                 ..Default::default()
             },
             AttentionKernel::Split,
@@ -698,6 +700,14 @@ fn bench(args: BenchArgs) -> Result<()> {
             backend: StepBackend::LatencySpecialized,
             opts: FusedOptions {
                 whole_tile_copies: false,
+                ..fused
+            },
+        },
+        Variant {
+            name: "fused, cp.async copies",
+            backend: StepBackend::LatencySpecialized,
+            opts: FusedOptions {
+                ldgsts: true,
                 ..fused
             },
         },
