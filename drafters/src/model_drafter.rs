@@ -167,6 +167,48 @@ impl ModelDrafter {
         }
     }
 
+    /// Whether `propose` may take the device-argmax path: a GPU backend, and every request that drafts
+    /// is greedy and may use every id of the draft model's vocabulary.
+    fn greedy_on_device(&self, requests: &[DraftRequest<'_>]) -> bool {
+        #[cfg(not(feature = "cuda"))]
+        let _ = requests;
+        match &self.backend {
+            Backend::Cpu(_) => false,
+            #[cfg(feature = "cuda")]
+            Backend::Gpu(g) => {
+                let vocab = g.config().vocab_size;
+                requests
+                    .iter()
+                    .filter(|r| r.max_tokens > 0)
+                    .all(|r| r.sampling.is_greedy() && r.vocab_limit >= vocab)
+            }
+        }
+    }
+
+    /// One forward with one logits row per input, returning each row's argmax computed on the device
+    /// (GPU backend only; `greedy_on_device` decides).
+    fn argmax_last_rows(&mut self, inputs: &[(SeqId, &[u32])]) -> Result<Vec<u32>, DraftError> {
+        #[cfg(not(feature = "cuda"))]
+        let _ = inputs;
+        match &mut self.backend {
+            Backend::Cpu(_) => Err(DraftError::Gpu(
+                "internal: device-argmax drafting asked of the CPU backend".into(),
+            )),
+            #[cfg(feature = "cuda")]
+            Backend::Gpu(g) => {
+                let inputs: Vec<specula_model::gpu::GpuSeqInput> = inputs
+                    .iter()
+                    .map(|&(seq, tokens)| specula_model::gpu::GpuSeqInput {
+                        seq: seq as usize,
+                        tokens,
+                        num_logits: 1,
+                    })
+                    .collect();
+                Ok(g.step_argmax(&inputs)?)
+            }
+        }
+    }
+
     pub fn model(&self) -> &Transformer {
         &self.model
     }
@@ -259,6 +301,16 @@ impl Drafter for ModelDrafter {
             feeds.push(feed);
         }
         let max_k = requests.iter().map(|r| r.max_tokens).max().unwrap_or(0);
+        // On the GPU, when every request drafts greedily over the whole vocabulary, the draft tokens are
+        // the device argmax of each row: only the ids come back (not a row of logits per draft), and no
+        // distributions are returned: a greedy q is one-hot at the argmax, which is what the verifier
+        // assumes without one (`DraftProbs::OneHot`), so acceptance is unchanged.
+        let device_argmax = self.greedy_on_device(requests);
+        if device_argmax {
+            for p in &mut proposals {
+                p.probs = None;
+            }
+        }
         for step in 0..max_k {
             let active: Vec<usize> = (0..requests.len())
                 .filter(|&i| requests[i].max_tokens > step && !feeds[i].is_empty())
@@ -270,6 +322,21 @@ impl Drafter for ModelDrafter {
                 .iter()
                 .map(|&i| (self.seqs[&requests[i].seq].cache_seq, feeds[i].as_slice()))
                 .collect();
+            if device_argmax {
+                let ids = self.argmax_last_rows(&inputs)?;
+                for (&id, &i) in ids.iter().zip(&active) {
+                    let r = &requests[i];
+                    let s = self.seqs.get_mut(&r.seq).expect("checked above");
+                    s.cached.extend_from_slice(&feeds[i]);
+                    proposals[i].tokens.push(id);
+                    feeds[i] = if step + 1 < r.max_tokens {
+                        vec![id]
+                    } else {
+                        Vec::new()
+                    };
+                }
+                continue;
+            }
             let (rows, vocab) = self.forward_last_rows(&inputs)?;
             for (row, &i) in active.iter().enumerate() {
                 let r = &mut requests[i];

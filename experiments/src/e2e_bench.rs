@@ -839,7 +839,8 @@ mod device {
                         "draft-random: a random-weight draft model (bf16, weights seed {draft_seed}) on the GPU (ModelDrafter::to_gpu: standard step, linear layers not tuned), \
                          the target's vocabulary ({}), RoPE and architecture with hidden {}, {} layers, {} heads, {} KV heads, head_dim {}, intermediate {}, tied embeddings: \
                          {:.1} M parameters ({:.1} M of them the embedding / LM head), {:.1}% of the target's; it drafts k tokens autoregressively, one GPU forward per \
-                         draft position with the logits row read back and sampled on the host, and its distributions are uploaded for the device verify",
+                         draft position; with greedy requests (this benchmark's) each draft is the device argmax of its row (only the id comes back, no distributions: \
+                         a greedy q is one-hot), otherwise the logits row is read back and sampled on the host and the distributions are uploaded for the device verify",
                         dc.vocab_size,
                         dc.hidden_size,
                         dc.num_layers,
