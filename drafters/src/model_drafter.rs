@@ -153,15 +153,7 @@ impl ModelDrafter {
             }
             #[cfg(feature = "cuda")]
             Backend::Gpu(g) => {
-                let inputs: Vec<specula_model::gpu::GpuSeqInput> = inputs
-                    .iter()
-                    .map(|&(seq, tokens)| specula_model::gpu::GpuSeqInput {
-                        seq: seq as usize,
-                        tokens,
-                        num_logits: 1,
-                    })
-                    .collect();
-                let out = g.forward(&inputs)?;
+                let out = g.forward(&gpu_last_rows(inputs))?;
                 Ok((out.logits, out.vocab_size))
             }
         }
@@ -195,17 +187,7 @@ impl ModelDrafter {
                 "internal: device-argmax drafting asked of the CPU backend".into(),
             )),
             #[cfg(feature = "cuda")]
-            Backend::Gpu(g) => {
-                let inputs: Vec<specula_model::gpu::GpuSeqInput> = inputs
-                    .iter()
-                    .map(|&(seq, tokens)| specula_model::gpu::GpuSeqInput {
-                        seq: seq as usize,
-                        tokens,
-                        num_logits: 1,
-                    })
-                    .collect();
-                Ok(g.step_argmax(&inputs)?)
-            }
+            Backend::Gpu(g) => Ok(g.step_argmax(&gpu_last_rows(inputs))?),
         }
     }
 
@@ -230,6 +212,19 @@ impl ModelDrafter {
     pub fn cache_seq(&self, seq: SeqKey) -> Option<SeqId> {
         self.seqs.get(&seq).map(|s| s.cache_seq)
     }
+}
+
+/// The GPU forward's inputs for (cache sequence, tokens) pairs, one logits row each (the last).
+#[cfg(feature = "cuda")]
+fn gpu_last_rows<'t>(inputs: &[(SeqId, &'t [u32])]) -> Vec<specula_model::gpu::GpuSeqInput<'t>> {
+    inputs
+        .iter()
+        .map(|&(seq, tokens)| specula_model::gpu::GpuSeqInput {
+            seq: seq as usize,
+            tokens,
+            num_logits: 1,
+        })
+        .collect()
 }
 
 impl Drafter for ModelDrafter {

@@ -356,6 +356,15 @@ __device__ void fused_producer_seek(const FusedParams& p, FusedProducer& q, int 
     }
 }
 
+// The cursor past the chunk just issued: next column chunk, next tile, or the next phase with tiles.
+__device__ void fused_producer_advance(const FusedParams& p, FusedProducer& q) {
+    ++q.issued;
+    if (++q.kc == q.kchunks) {
+        q.kc = 0;
+        if (++q.tile == q.t1) fused_producer_seek(p, q, q.phase + 1);
+    }
+}
+
 // Copies the next chunk of the sequence into its slot; nothing past the end. Called by all 32 lanes of
 // warp 0, which keep identical cursors: lane 0 sets the slot's transaction count, lane i copies row i.
 __device__ void fused_producer_issue(const FusedParams& p, FusedProducer& q, unsigned char* ring,
@@ -380,11 +389,7 @@ __device__ void fused_producer_issue(const FusedParams& p, FusedProducer& q, uns
     } else if (lane < rows) {
         fused_bulk_copy(dst + lane * fused_row_stride(p.chunk_k), q.w + (size_t)(r0 + lane) * q.K + k0, bytes, &bars[slot]);
     }
-    ++q.issued;
-    if (++q.kc == q.kchunks) {
-        q.kc = 0;
-        if (++q.tile == q.t1) fused_producer_seek(p, q, q.phase + 1);
-    }
+    fused_producer_advance(p, q);
 }
 
 // FUSED_LDGSTS: the next chunk of the sequence into its slot by all threads (16 bytes each per
@@ -405,11 +410,7 @@ __device__ void fused_producer_issue_ldgsts(const FusedParams& p, FusedProducer&
             const int r = i / per_row, c = i % per_row;
             fused_cp_async_16(dst + r * rs + c * 16, q.w + (size_t)(r0 + r) * q.K + k0 + c * 8);
         }
-        ++q.issued;
-        if (++q.kc == q.kchunks) {
-            q.kc = 0;
-            if (++q.tile == q.t1) fused_producer_seek(p, q, q.phase + 1);
-        }
+        fused_producer_advance(p, q);
     }
     fused_cp_async_commit();
 }

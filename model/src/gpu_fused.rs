@@ -645,9 +645,7 @@ impl FusedStep {
             .map_err(gpu)? as usize;
         // 1 KB per CTA is reserved by the system on sm_90.
         let budget = smem_limit.min(per_sm / opts.ctas_per_sm as usize - 1024);
-        // Layout: GEMM reduction | activations or attention scratch | weight ring. The ring gets
-        // `ring_stages` slots (default DEFAULT_RING_STAGES); the middle region everything else, at least
-        // the attention scratch (larger is better: more GEMM phases hold their activations on chip).
+        // Layout: GEMM reduction | activations or attention scratch | weight ring (plan_smem).
         let plan = plan_smem(
             budget,
             static_smem,
