@@ -365,29 +365,45 @@ __device__ void fused_producer_advance(const FusedParams& p, FusedProducer& q) {
     }
 }
 
+// Where the producer's next chunk goes and what it holds: slot, destination, first column, columns,
+// first weight row, rows (the last tile of a matrix may have fewer than 16).
+struct FusedChunk {
+    int slot;
+    unsigned char* dst;
+    int k0, width, r0, rows;
+};
+
+__device__ __forceinline__ FusedChunk fused_next_chunk(const FusedParams& p, const FusedProducer& q,
+                                                       unsigned char* ring, int stages) {
+    FusedChunk c;
+    c.slot = (int)(q.issued % (unsigned)stages);
+    c.dst = ring + (size_t)c.slot * fused_stage_bytes(p.chunk_k);
+    c.k0 = q.kc * p.chunk_k;
+    c.width = min(p.chunk_k, q.K - c.k0);
+    c.r0 = q.tile * 16;
+    c.rows = min(16, q.N - c.r0);
+    return c;
+}
+
 // Copies the next chunk of the sequence into its slot; nothing past the end. Called by all 32 lanes of
 // warp 0, which keep identical cursors: lane 0 sets the slot's transaction count, lane i copies row i.
 __device__ void fused_producer_issue(const FusedParams& p, FusedProducer& q, unsigned char* ring,
                                      unsigned long long* bars, int stages) {
     if (q.phase >= q.phases) return;
     const int lane = threadIdx.x & 31;
-    const int slot = (int)(q.issued % (unsigned)stages);
-    unsigned char* dst = ring + (size_t)slot * fused_stage_bytes(p.chunk_k);
-    const int k0 = q.kc * p.chunk_k;
-    const int width = min(p.chunk_k, q.K - k0);
-    const int r0 = q.tile * 16;
-    const int rows = min(16, q.N - r0);
-    const unsigned int bytes = (unsigned int)width * 2u;
+    const FusedChunk c = fused_next_chunk(p, q, ring, stages);
+    const unsigned int bytes = (unsigned int)c.width * 2u;
     // No proxy fence before the copies: the consumers' reads of this slot are ordered before them by the
     // __syncthreads in fused_gemm_ring (the pattern of CUTLASS's TMA pipelines, which release a slot
     // through an mbarrier). A fence.proxy.async here made no measurable difference (NOTES v0.7).
-    if (lane == 0) fused_mbar_expect(&bars[slot], bytes * (unsigned)rows);
+    if (lane == 0) fused_mbar_expect(&bars[c.slot], bytes * (unsigned)c.rows);
     __syncwarp();
-    if (q.whole_tiles && width == q.K) {
+    if (q.whole_tiles && c.width == q.K) {
         // The tile's rows are contiguous in memory: one copy (<= 16 x 2 chunk_k bytes, within the slot).
-        if (lane == 0) fused_bulk_copy(dst, q.w + (size_t)r0 * q.K, bytes * (unsigned)rows, &bars[slot]);
-    } else if (lane < rows) {
-        fused_bulk_copy(dst + lane * fused_row_stride(p.chunk_k), q.w + (size_t)(r0 + lane) * q.K + k0, bytes, &bars[slot]);
+        if (lane == 0) fused_bulk_copy(c.dst, q.w + (size_t)c.r0 * q.K, bytes * (unsigned)c.rows, &bars[c.slot]);
+    } else if (lane < c.rows) {
+        fused_bulk_copy(c.dst + lane * fused_row_stride(p.chunk_k), q.w + (size_t)(c.r0 + lane) * q.K + c.k0, bytes,
+                        &bars[c.slot]);
     }
     fused_producer_advance(p, q);
 }
@@ -398,17 +414,12 @@ __device__ void fused_producer_issue(const FusedParams& p, FusedProducer& q, uns
 __device__ void fused_producer_issue_ldgsts(const FusedParams& p, FusedProducer& q, unsigned char* ring,
                                             int stages) {
     if (q.phase < q.phases) {
-        const int slot = (int)(q.issued % (unsigned)stages);
-        unsigned char* dst = ring + (size_t)slot * fused_stage_bytes(p.chunk_k);
-        const int k0 = q.kc * p.chunk_k;
-        const int width = min(p.chunk_k, q.K - k0);
-        const int r0 = q.tile * 16;
-        const int rows = min(16, q.N - r0);
-        const int per_row = width / 8;  // 16-byte pieces
+        const FusedChunk ch = fused_next_chunk(p, q, ring, stages);
+        const int per_row = ch.width / 8;  // 16-byte pieces
         const int rs = fused_row_stride(p.chunk_k);
-        for (int i = threadIdx.x; i < rows * per_row; i += blockDim.x) {
+        for (int i = threadIdx.x; i < ch.rows * per_row; i += blockDim.x) {
             const int r = i / per_row, c = i % per_row;
-            fused_cp_async_16(dst + r * rs + c * 16, q.w + (size_t)(r0 + r) * q.K + k0 + c * 8);
+            fused_cp_async_16(ch.dst + r * rs + c * 16, q.w + (size_t)(ch.r0 + r) * q.K + ch.k0 + c * 8);
         }
         fused_producer_advance(p, q);
     }
