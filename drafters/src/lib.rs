@@ -6,10 +6,12 @@
 //! A drafter keeps its own per-sequence state (token history, KV cache). The engine tells it what was
 //! committed after each verify step; the drafter rolls back whatever it had speculated past that.
 
+mod draft_temperature;
 pub mod dspark;
 mod model_drafter;
 mod ngram;
 
+pub use draft_temperature::DraftTemperature;
 pub use dspark::{DSparkConfig, DSparkDrafter, DSparkModel};
 pub use model_drafter::{check_shared_vocabulary, ModelDrafter};
 pub use ngram::NgramDrafter;

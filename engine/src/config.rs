@@ -45,6 +45,12 @@ pub struct SpeculativeConfig {
     pub prompt_lookup_min: usize,
     #[serde(default = "default_max_n")]
     pub prompt_lookup_max: usize,
+    /// Drafting temperature for sampled requests (greedy ones stay greedy): the drafter samples from
+    /// q = softmax(logits / draft_temperature) instead of the request's temperature; 0 drafts greedily
+    /// (q one-hot). Lossless either way (the standard and block rules use the q that was sampled
+    /// from). Default: the request's temperature. See `specula_drafters::DraftTemperature`.
+    #[serde(default)]
+    pub draft_temperature: Option<f32>,
 }
 
 fn default_k() -> usize {
@@ -69,6 +75,7 @@ impl Default for SpeculativeConfig {
             synthetic_acceptance_rates_from: None,
             prompt_lookup_min: default_min_n(),
             prompt_lookup_max: default_max_n(),
+            draft_temperature: None,
         }
     }
 }

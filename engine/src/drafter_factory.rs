@@ -4,7 +4,8 @@
 
 use crate::{EngineError, SpeculativeConfig, SpeculativeMethod};
 use specula_drafters::{
-    check_shared_vocabulary, DSparkDrafter, DSparkModel, Drafter, ModelDrafter, NgramDrafter,
+    check_shared_vocabulary, DSparkDrafter, DSparkModel, DraftTemperature, Drafter, ModelDrafter,
+    NgramDrafter,
 };
 use specula_model::loader::{load, LoadedModel};
 use specula_model::WeightDtype;
@@ -54,6 +55,22 @@ pub fn build_drafter_on(
     dtype: WeightDtype,
     device: DrafterDevice,
 ) -> Result<Option<Box<dyn Drafter>>, EngineError> {
+    let drafter = build_untempered(spec, target, dtype, device)?;
+    match (drafter, spec.draft_temperature) {
+        (Some(d), Some(t)) => Ok(Some(Box::new(
+            DraftTemperature::new(d, t).map_err(|e| EngineError::InvalidRequest(e.to_string()))?,
+        ))),
+        (d, _) => Ok(d),
+    }
+}
+
+/// The drafter of `spec` on `device`, before any drafting temperature is applied.
+fn build_untempered(
+    spec: &SpeculativeConfig,
+    target: &LoadedModel,
+    dtype: WeightDtype,
+    device: DrafterDevice,
+) -> Result<Option<Box<dyn Drafter>>, EngineError> {
     if let DrafterDevice::Cuda {
         max_sequences,
         max_context,
@@ -61,7 +78,7 @@ pub fn build_drafter_on(
     {
         return match spec.method {
             SpeculativeMethod::None | SpeculativeMethod::Ngram => {
-                build_drafter_on(spec, target, dtype, DrafterDevice::Cpu)
+                build_untempered(spec, target, dtype, DrafterDevice::Cpu)
             }
             SpeculativeMethod::DraftModel => {
                 let d = load_draft_model(spec, target, dtype)?;

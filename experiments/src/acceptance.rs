@@ -268,32 +268,55 @@ pub struct RunOptions {
     pub show_progress: bool,
 }
 
-fn resolve_drafter(
-    spec: &str,
-    default_models_dir: &Path,
-) -> Result<(SpeculativeMethod, Option<PathBuf>), ExperimentError> {
+/// A drafter spec from the config: the drafter, and the drafting temperature of an `@draft_t=X`
+/// suffix (`dspark@draft_t=0.5`: sampled requests draft at 0.5; see `SpeculativeConfig::draft_temperature`).
+struct DrafterSpec {
+    method: SpeculativeMethod,
+    path: Option<PathBuf>,
+    draft_temperature: Option<f32>,
+}
+
+fn resolve_drafter(spec: &str, default_models_dir: &Path) -> Result<DrafterSpec, ExperimentError> {
+    let (base, draft_temperature) = match spec.split_once("@draft_t=") {
+        Some((base, t)) => {
+            let t: f32 = t.parse().ok().filter(|t: &f32| t.is_finite() && *t >= 0.0).ok_or_else(|| {
+                ExperimentError::Config(format!(
+                    "drafter {spec:?}: the drafting temperature after @draft_t= must be a number >= 0"
+                ))
+            })?;
+            (base, Some(t))
+        }
+        None => (spec, None),
+    };
     let path = |p: &str| Some(PathBuf::from(p));
-    match spec {
-        "ngram" => Ok((SpeculativeMethod::Ngram, None)),
-        "embedded" => Ok((
+    let (method, path) = match base {
+        "ngram" => (SpeculativeMethod::Ngram, None),
+        "embedded" => (
             SpeculativeMethod::DraftModel,
             Some(default_models_dir.join("draft")),
-        )),
-        "dspark" => Ok((
+        ),
+        "dspark" => (
             SpeculativeMethod::Dspark,
             Some(default_models_dir.join("dspark")),
-        )),
+        ),
         other => match (
             other.strip_prefix("draft_model:"),
             other.strip_prefix("dspark:"),
         ) {
-            (Some(p), _) if !p.is_empty() => Ok((SpeculativeMethod::DraftModel, path(p))),
-            (_, Some(p)) if !p.is_empty() => Ok((SpeculativeMethod::Dspark, path(p))),
-            _ => Err(ExperimentError::Config(format!(
-                "unknown drafter {other:?}: use embedded, ngram, dspark, draft_model:PATH or dspark:PATH"
-            ))),
+            (Some(p), _) if !p.is_empty() => (SpeculativeMethod::DraftModel, path(p)),
+            (_, Some(p)) if !p.is_empty() => (SpeculativeMethod::Dspark, path(p)),
+            _ => {
+                return Err(ExperimentError::Config(format!(
+                    "unknown drafter {other:?}: use embedded, ngram, dspark, draft_model:PATH or dspark:PATH, optionally followed by @draft_t=X"
+                )))
+            }
         },
-    }
+    };
+    Ok(DrafterSpec {
+        method,
+        path,
+        draft_temperature,
+    })
 }
 
 /// The manifest: everything that must match for results to be comparable.
@@ -308,7 +331,7 @@ fn build_manifest(
         json!({"path": target_path.display().to_string(), "sha256": hash_model_files(target_path)?}),
     );
     for d in &config.drafters {
-        if let (_, Some(path)) = resolve_drafter(d, default_models_dir)? {
+        if let Some(path) = resolve_drafter(d, default_models_dir)?.path {
             models.insert(
                 d.clone(),
                 json!({"path": path.display().to_string(), "sha256": hash_model_files(&path)?}),
@@ -536,7 +559,11 @@ pub fn run_acceptance(
     let mut settings: Vec<(Setting, AcceptanceRule)> = Vec::new();
     let mut skipped_settings = Vec::new();
     for drafter in &config.drafters {
-        let (method, draft_path) = resolve_drafter(drafter, &opts.default_models_dir)?;
+        let DrafterSpec {
+            method,
+            path: draft_path,
+            draft_temperature,
+        } = resolve_drafter(drafter, &opts.default_models_dir)?;
         for &k in &config.draft_lengths {
             for &temperature in &config.temperatures {
                 for rule_name in &config.rules {
@@ -566,6 +593,7 @@ pub fn run_acceptance(
                             .synthetic_acceptance_rates_from
                             .as_ref()
                             .map(|p| p.display().to_string()),
+                        draft_temperature,
                         ..SpeculativeConfig::default()
                     };
                     match spec.rule(temperature) {
@@ -739,11 +767,12 @@ fn make_drafter(
     target: &LoadedModel,
     max_k: usize,
 ) -> Result<Box<dyn Drafter>, ExperimentError> {
-    let (method, path) = resolve_drafter(spec, default_models_dir)?;
+    let d = resolve_drafter(spec, default_models_dir)?;
     let config = SpeculativeConfig {
-        method,
-        model: path.as_ref().map(|p| p.display().to_string()),
+        method: d.method,
+        model: d.path.as_ref().map(|p| p.display().to_string()),
         num_speculative_tokens: max_k,
+        draft_temperature: d.draft_temperature,
         ..SpeculativeConfig::default()
     };
     build_drafter(&config, target, dtype)

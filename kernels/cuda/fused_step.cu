@@ -127,7 +127,7 @@ struct FusedParams {
     int ring_offset;  // byte offset of the ring in dynamic shared memory (after the phase scratch)
     int xs_bytes;     // bytes of the activation / attention region (at FUSED_RED_BYTES)
     int chunk_k;      // weight columns per ring chunk (a multiple of 256)
-    int reserved;
+    int l2_prefetch;  // chunks of the sequence kept requested into L2 ahead of the ring (0: off)
     float eps;
     float scale;
 };
@@ -224,6 +224,10 @@ __device__ __forceinline__ void fused_mbar_wait(unsigned long long* bar, unsigne
 __device__ __forceinline__ void fused_cp_async_16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(fused_smem_addr(dst)), "l"(src) : "memory");
 }
+// Asks the bulk-copy engine to bring `bytes` (a multiple of 16, 16-byte aligned) into L2; nothing waits.
+__device__ __forceinline__ void fused_prefetch_l2(const void* src, unsigned int bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
 __device__ __forceinline__ void fused_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // Waits until at most `pending` of this thread's commit groups are in flight (an immediate in PTX).
 __device__ __forceinline__ void fused_cp_async_wait(int pending) {
@@ -240,6 +244,7 @@ __device__ __forceinline__ void fused_cp_async_wait(int pending) {
 }
 #else
 __device__ __forceinline__ void fused_cp_async_16(void*, const void*) { __trap(); }
+__device__ __forceinline__ void fused_prefetch_l2(const void*, unsigned int) {}
 __device__ __forceinline__ void fused_cp_async_commit() {}
 __device__ __forceinline__ void fused_cp_async_wait(int) {}
 __device__ __forceinline__ void fused_mbar_init(unsigned long long*) { __trap(); }
@@ -337,6 +342,7 @@ struct FusedProducer {
     unsigned int issued;  // chunks copied so far (slot = issued % stages)
     bool whole_tiles;     // FUSED_WHOLE_TILE_COPIES
     bool ldgsts;          // FUSED_LDGSTS: every thread keeps the cursor and copies its share
+    FusedProducer* ahead; // the L2 prefetch cursor (warp 0, p.l2_prefetch > 0), else null
 };
 
 // Bytes between consecutive weight rows of a chunk in its slot.
@@ -385,6 +391,26 @@ __device__ __forceinline__ FusedChunk fused_next_chunk(const FusedParams& p, con
     return c;
 }
 
+// L2 prefetch: the ring holds only a few chunks, and between GEMM phases (norms, RoPE, attention, grid
+// barriers) it is full and HBM would idle. A second cursor over the same chunk sequence keeps the next
+// p.l2_prefetch chunks after the ring's requested into L2 (bulk prefetches, nothing waits on them), so
+// HBM streams through those gaps and the ring's copies that follow come from L2. `ahead` is topped up
+// to `issued + p.l2_prefetch` chunks by all lanes of warp 0 (identical cursors; lane i takes row i of
+// a chunk that is not one contiguous tile). The bound keeps 132 CTAs x p.l2_prefetch chunks within L2.
+__device__ void fused_prefetch_topup(const FusedParams& p, FusedProducer& ahead, unsigned int issued) {
+    const int lane = threadIdx.x & 31;
+    while (ahead.phase < ahead.phases && ahead.issued < issued + (unsigned)p.l2_prefetch) {
+        const FusedChunk c = fused_next_chunk(p, ahead, 0, 1);
+        const unsigned int bytes = (unsigned int)c.width * 2u;
+        if (c.width == ahead.K) {
+            if (lane == 0) fused_prefetch_l2(ahead.w + (size_t)c.r0 * ahead.K, bytes * (unsigned)c.rows);
+        } else if (lane < c.rows) {
+            fused_prefetch_l2(ahead.w + (size_t)(c.r0 + lane) * ahead.K + c.k0, bytes);
+        }
+        fused_producer_advance(p, ahead);
+    }
+}
+
 // Copies the next chunk of the sequence into its slot; nothing past the end. Called by all 32 lanes of
 // warp 0, which keep identical cursors: lane 0 sets the slot's transaction count, lane i copies row i.
 __device__ void fused_producer_issue(const FusedParams& p, FusedProducer& q, unsigned char* ring,
@@ -406,6 +432,7 @@ __device__ void fused_producer_issue(const FusedParams& p, FusedProducer& q, uns
                         &bars[c.slot]);
     }
     fused_producer_advance(p, q);
+    if (q.ahead) fused_prefetch_topup(p, *q.ahead, q.issued);
 }
 
 // FUSED_LDGSTS: the next chunk of the sequence into its slot by all threads (16 bytes each per
@@ -800,6 +827,8 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
     q.issued = 0;
     q.whole_tiles = (flags & FUSED_WHOLE_TILE_COPIES) != 0;
     q.ldgsts = (flags & FUSED_LDGSTS) != 0;
+    q.ahead = 0;
+    FusedProducer ahead;
     if (work && q.ldgsts) {
         fused_producer_seek(p, q, 0);
         for (int i = 0; i < ring.stages; ++i) fused_producer_issue_ldgsts(p, q, ring.slots, ring.stages);
@@ -810,6 +839,13 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
         }
         __syncwarp();
         fused_producer_seek(p, q, 0);
+        if (p.l2_prefetch > 0) {
+            // The prefetch cursor starts where the ring's first copies end (those need no prefetch).
+            ahead = q;
+            for (int i = 0; i < ring.stages && ahead.phase < ahead.phases; ++i) fused_producer_advance(p, ahead);
+            ahead.ahead = 0;
+            q.ahead = &ahead;
+        }
         for (int i = 0; i < ring.stages; ++i) fused_producer_issue(p, q, ring.slots, ring.bars, ring.stages);
     }
     __syncthreads();

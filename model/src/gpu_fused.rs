@@ -51,6 +51,10 @@ pub const DEFAULT_CHUNK_K: u32 = 2048;
 const DEFAULT_RING_BYTES: usize = 136 << 10;
 /// Most ring slots (fused_step.cu FUSED_MAX_RING) and fewest that make sense (double buffering).
 pub const MAX_RING_STAGES: u32 = 16;
+/// `FusedOptions::l2_prefetch_chunks` by default (see there) and at most (the cursor's top-up loop is
+/// bounded by it; 64 chunks of 64 KB per CTA would be 8 times the L2).
+pub const DEFAULT_L2_PREFETCH_CHUNKS: u32 = 4;
+pub const MAX_L2_PREFETCH_CHUNKS: u32 = 64;
 /// fused_step.cu FUSED_RED_BYTES: the GEMM reduction scratch (8 warps x 32 rows x 16 floats).
 const RED_BYTES: usize = 8 * 32 * 16 * 4;
 const MIN_RING_STAGES: u32 = 2;
@@ -273,6 +277,11 @@ pub struct FusedOptions {
     /// Fill the ring with cp.async (LDGSTS) by all threads instead of the TMA engine (fused_step.cu
     /// FUSED_LDGSTS): an A/B against the bulk copies' measured per-SM rate. Off by default.
     pub ldgsts: bool,
+    /// Chunks of each CTA's weight sequence kept requested into L2 ahead of its ring (bulk L2
+    /// prefetches, fused_step.cu fused_prefetch_topup; 0: off): HBM keeps streaming through the phases
+    /// between GEMMs (norms, RoPE, attention, grid barriers), when the ring is full. The default, 4
+    /// chunks of 64 KB per CTA, is 34 MB on 132 SMs, within the H200's 50 MB L2.
+    pub l2_prefetch_chunks: u32,
     /// Launch with `CU_LAUNCH_ATTRIBUTE_COOPERATIVE` (co-residency guaranteed by the driver). Without
     /// it the grid barrier relies on the occupancy check and on nothing else running on the GPU.
     pub cooperative: bool,
@@ -288,6 +297,7 @@ impl Default for FusedOptions {
             chunk_k: 0,
             whole_tile_copies: true,
             ldgsts: false,
+            l2_prefetch_chunks: DEFAULT_L2_PREFETCH_CHUNKS,
             cooperative: true,
             mode: FusedMode::Full,
         }
@@ -442,6 +452,7 @@ struct FusedParamsHost {
     ring_offset: i32,
     xs_bytes: i32,
     chunk_k: i32,
+    l2_prefetch: i32,
     eps: f32,
     scale: f32,
 }
@@ -484,7 +495,7 @@ impl FusedParamsHost {
             self.ring_offset as u32,
             self.xs_bytes as u32,
             self.chunk_k as u32,
-            0,
+            self.l2_prefetch as u32,
             self.eps.to_bits(),
             self.scale.to_bits(),
         ];
@@ -720,6 +731,12 @@ impl FusedStep {
             ring_offset: ring_offset as i32,
             xs_bytes: xs_bytes as i32,
             chunk_k: chunk_k as i32,
+            // Without the bulk-copy ring (LDGSTS) there is no producer warp to keep the cursor.
+            l2_prefetch: if opts.ldgsts {
+                0
+            } else {
+                opts.l2_prefetch_chunks.min(MAX_L2_PREFETCH_CHUNKS) as i32
+            },
             eps: c.rms_norm_eps,
             // The same expression as the standard step's attention scale (bit-identical).
             scale: 1.0 / (c.head_dim as f32).sqrt(),
@@ -1229,6 +1246,7 @@ mod tests {
             ring_offset: 32768,
             xs_bytes: 4096,
             chunk_k: 2048,
+            l2_prefetch: 4,
             eps: 1e-5,
             scale: 0.125,
             ..Default::default()
@@ -1245,8 +1263,8 @@ mod tests {
         // 25.
         assert_eq!(w[24] >> 32, 12);
         assert_eq!(w[25], 32768 | (4096u64 << 32));
-        // chunk_k and the reserved int share word 26; eps and scale word 27.
-        assert_eq!(w[26], 2048);
+        // chunk_k and l2_prefetch share word 26; eps and scale word 27.
+        assert_eq!(w[26], 2048 | (4u64 << 32));
         assert_eq!(
             w[27],
             u64::from(1e-5f32.to_bits()) | (u64::from(0.125f32.to_bits()) << 32)

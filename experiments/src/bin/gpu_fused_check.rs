@@ -30,8 +30,8 @@
 //!
 //! `--bench`: llama3.2-1b with seeded random weights; device time per graph replay (CUDA events, the
 //! mean of 10 back-to-back replays per sample) of the standard step (GEMMs tuned as in `specula bench
-//! step`) and of the fused step and its variants (1024-column ring chunks, row copies, cp.async copies, barriers only, no
-//! attention) at
+//! step`) and of the fused step and its variants (L2 prefetch off, 2 and 8 chunks ahead instead of the
+//! default 4; barriers only; no attention) at
 //! 1/2/4/8 requests x 1/8 tokens, at `--context` cached positions; medians and P90 in a table, plus the
 //! fused-vs-standard logits difference of each setting.
 //!
@@ -688,26 +688,26 @@ fn bench(args: BenchArgs) -> Result<()> {
             opts: fused,
         },
         Variant {
-            name: "fused, 1024-column chunks",
+            name: "fused, no L2 prefetch",
             backend: StepBackend::LatencySpecialized,
             opts: FusedOptions {
-                chunk_k: 1024,
+                l2_prefetch_chunks: 0,
                 ..fused
             },
         },
         Variant {
-            name: "fused, row copies",
+            name: "fused, L2 prefetch 2",
             backend: StepBackend::LatencySpecialized,
             opts: FusedOptions {
-                whole_tile_copies: false,
+                l2_prefetch_chunks: 2,
                 ..fused
             },
         },
         Variant {
-            name: "fused, cp.async copies",
+            name: "fused, L2 prefetch 8",
             backend: StepBackend::LatencySpecialized,
             opts: FusedOptions {
-                ldgsts: true,
+                l2_prefetch_chunks: 8,
                 ..fused
             },
         },
