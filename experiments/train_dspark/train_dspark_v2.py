@@ -97,6 +97,10 @@ LAYERS = int(env("DSPARK_LAYERS", 4))
 RANK = int(env("MARKOV_RANK", 128))
 CE_W = float(env("CE_W", 0.3))
 TV_W = float(env("TV_W", 0.7))
+# Share of each training batch drawn from the sampled (T=1) windows, the rest from the greedy ones. 0.5 (the v2
+# drafter) is the pool's own mix; v2 won at T=0 (pooled AL 3.48 vs 3.04) and lost at T=1 (2.16 vs 2.55), so the
+# v3 run tilts the batches towards the sampled windows.
+SAMPLED_FRAC = float(env("SAMPLED_FRAC", 0.5))
 SEQ = 80 if SMOKE else 288                          # generated windows: prompt + the target's continuation
 PROMPT_LENS = [16, 32] if SMOKE else [16, 32, 64, 96, 160]   # Rust eval prompts: 16-34 (mbpp) to 97-229 (humaneval)
 NOISY_FRAC, NOISE_RATE = 0.25, 0.15
@@ -555,8 +559,10 @@ def main(out_dir):
     ha = torch.rand(len(hw), SEQ - GAMMA, device=DEV, generator=g)
     ha = torch.where(torch.arange(SEQ - GAMMA, device=DEV)[None] < hpl[:, None], 2.0, ha).argsort(1)[:, :ANCHORS]
 
+    g_rows, s_rows = torch.nonzero(pgreedy).squeeze(1), torch.nonzero(~pgreedy).squeeze(1)
     train_s = min(TRAIN_SECONDS_MAX, max(MIN_TRAIN_S, TOTAL_SECONDS - since() - EVAL_RESERVE_S))
-    log(f"training: {BATCH} windows x {SEQ} tokens from the pool, {ANCHORS} anchors per window in the generated part, "
+    log(f"training: {BATCH} windows x {SEQ} tokens from the pool ({SAMPLED_FRAC:.0%} sampled, the rest greedy), "
+        f"{ANCHORS} anchors per window in the generated part, "
         f"loss per slot {CE_W} CE(next generated token) + {TV_W} TV(target) + 1.0 confidence BCE, AdamW peak lr "
         f"{PEAK_LR}, warm-up {WARMUP} steps, cosine over {train_s:.0f}s wall clock (starting at {since():.0f}s)")
 
@@ -589,7 +595,9 @@ def main(out_dir):
             break
         for grp in opt.param_groups:
             grp["lr"] = lr_at(step, elapsed / train_s)
-        ix = torch.randint(0, len(pool), (BATCH,), device=DEV, generator=gen)
+        n_s = round(BATCH * SAMPLED_FRAC)
+        ix = torch.cat([s_rows[torch.randint(0, len(s_rows), (n_s,), device=DEV, generator=gen)],
+                        g_rows[torch.randint(0, len(g_rows), (BATCH - n_s,), device=DEV, generator=gen)]])
         x = pool[ix]
         feats, tl = target_pass(target, x)
         loss, _ = block_loss(draft, E, feats, tl, make_blocks(x, plen[ix], ANCHORS, gen))

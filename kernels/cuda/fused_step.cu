@@ -397,6 +397,8 @@ __device__ __forceinline__ FusedChunk fused_next_chunk(const FusedParams& p, con
 // HBM streams through those gaps and the ring's copies that follow come from L2. `ahead` is topped up
 // to `issued + p.l2_prefetch` chunks by all lanes of warp 0 (identical cursors; lane i takes row i of
 // a chunk that is not one contiguous tile). The bound keeps 132 CTAs x p.l2_prefetch chunks within L2.
+// Measured on the H200 (NOTES v0.9): slower at every depth (1 x 1: 1.98 ms off, 2.33 / 2.52 / 2.60 ms
+// at 2 / 4 / 8 chunks), even in the LM head, which streams at ~4 TB/s without it; off by default.
 __device__ void fused_prefetch_topup(const FusedParams& p, FusedProducer& ahead, unsigned int issued) {
     const int lane = threadIdx.x & 31;
     while (ahead.phase < ahead.phases && ahead.issued < issued + (unsigned)p.l2_prefetch) {

@@ -51,9 +51,9 @@ pub const DEFAULT_CHUNK_K: u32 = 2048;
 const DEFAULT_RING_BYTES: usize = 136 << 10;
 /// Most ring slots (fused_step.cu FUSED_MAX_RING) and fewest that make sense (double buffering).
 pub const MAX_RING_STAGES: u32 = 16;
-/// `FusedOptions::l2_prefetch_chunks` by default (see there) and at most (the cursor's top-up loop is
-/// bounded by it; 64 chunks of 64 KB per CTA would be 8 times the L2).
-pub const DEFAULT_L2_PREFETCH_CHUNKS: u32 = 4;
+/// `FusedOptions::l2_prefetch_chunks` by default (off: measured slower, see there) and at most (64
+/// chunks of 64 KB per CTA would be 8 times the L2).
+pub const DEFAULT_L2_PREFETCH_CHUNKS: u32 = 0;
 pub const MAX_L2_PREFETCH_CHUNKS: u32 = 64;
 /// fused_step.cu FUSED_RED_BYTES: the GEMM reduction scratch (8 warps x 32 rows x 16 floats).
 const RED_BYTES: usize = 8 * 32 * 16 * 4;
@@ -278,9 +278,10 @@ pub struct FusedOptions {
     /// FUSED_LDGSTS): an A/B against the bulk copies' measured per-SM rate. Off by default.
     pub ldgsts: bool,
     /// Chunks of each CTA's weight sequence kept requested into L2 ahead of its ring (bulk L2
-    /// prefetches, fused_step.cu fused_prefetch_topup; 0: off): HBM keeps streaming through the phases
-    /// between GEMMs (norms, RoPE, attention, grid barriers), when the ring is full. The default, 4
-    /// chunks of 64 KB per CTA, is 34 MB on 132 SMs, within the H200's 50 MB L2.
+    /// prefetches, fused_step.cu fused_prefetch_topup; 0: off). Meant to keep HBM streaming through
+    /// the phases between GEMMs (norms, RoPE, attention, grid barriers), when the ring is full; on the
+    /// H200 it made the step slower, the more the deeper (1 x 1: 1.98 ms off, 2.33 with 2 chunks, 2.52
+    /// with 4, 2.60 with 8; NOTES v0.9), so it is off by default and kept as a measured A/B.
     pub l2_prefetch_chunks: u32,
     /// Launch with `CU_LAUNCH_ATTRIBUTE_COOPERATIVE` (co-residency guaranteed by the driver). Without
     /// it the grid barrier relies on the occupancy check and on nothing else running on the GPU.

@@ -30,8 +30,8 @@
 //!
 //! `--bench`: llama3.2-1b with seeded random weights; device time per graph replay (CUDA events, the
 //! mean of 10 back-to-back replays per sample) of the standard step (GEMMs tuned as in `specula bench
-//! step`) and of the fused step and its variants (L2 prefetch off, 2 and 8 chunks ahead instead of the
-//! default 4; barriers only; no attention) at
+//! step`) and of the fused step and its variants (L2 prefetch 2, 4 and 8 chunks ahead instead of the
+//! default off; barriers only; no attention) at
 //! 1/2/4/8 requests x 1/8 tokens, at `--context` cached positions; medians and P90 in a table, plus the
 //! fused-vs-standard logits difference of each setting.
 //!
@@ -688,10 +688,10 @@ fn bench(args: BenchArgs) -> Result<()> {
             opts: fused,
         },
         Variant {
-            name: "fused, no L2 prefetch",
+            name: "fused, L2 prefetch 4",
             backend: StepBackend::LatencySpecialized,
             opts: FusedOptions {
-                l2_prefetch_chunks: 0,
+                l2_prefetch_chunks: 4,
                 ..fused
             },
         },
