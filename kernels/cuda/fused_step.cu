@@ -155,6 +155,7 @@ static_assert(sizeof(FusedParams) == 20 * 8 + 16 * 4, "FusedParams must match gp
 // group per chunk, `cp.async.wait_group` before use) instead of the TMA engine: an A/B for the measured
 // ~12 GB/s per SM of the bulk-copy ring (NOTES v0.7). Rows always land padded (fused_row_stride).
 #define FUSED_LDGSTS 32
+#define FUSED_NO_NORM_FOLD 64
 #define FUSED_PROF_SLOTS 32
 __shared__ unsigned long long fused_prof[FUSED_PROF_SLOTS];
 __shared__ int fused_prof_on;
@@ -292,6 +293,17 @@ __device__ __forceinline__ void fused_grid_barrier(unsigned int* bar) {
 // and of the activation rows nt * 8 + g, the k-permuted m16n8k16 fragments of skinny_linear_tile, and
 // accumulates the tile over all of its chunks in registers; at the tile's end the 8 warps' partial sums
 // are reduced in warp order through shared memory (deterministic; independent of the grid size).
+// An RMSNorm folded into a GEMM's activation staging (see fused_norm_stage): the GEMM's input rows are
+// norm(x[rows[m]]) (rows null: m), or at layer 0 norm(embed[tokens[m]]). w null: no norm, the GEMM
+// reads its bf16 input `x` as given.
+struct FusedNorm {
+    const float* w;
+    const float* x;
+    const int* rows;
+    const unsigned short* embed;
+    const int* tokens;
+};
+
 struct FusedGemm {
     const unsigned short* w;
     const unsigned short* x;
@@ -299,6 +311,7 @@ struct FusedGemm {
     unsigned short* act;      // SwiGLU output (paired gate/up), else null
     const float* bias_after;  // added to out after the tile (O projection bias), else null
     int N, K, M, accumulate;
+    FusedNorm norm;
 };
 
 // Tapped-layer copies of the residual stream (see fused_tile_out).
@@ -525,6 +538,72 @@ __device__ __forceinline__ void fused_tile_out(const FusedGemm& g, float (&c)[NT
     }
 }
 
+// The RMSNorm of the GEMM's M input rows (dim = g.K), computed by this CTA straight into its staged
+// activations (bf16, rows xs_stride bytes apart) instead of in a phase of its own: every CTA with tiles
+// normalises the rows itself, which costs each a few KB of L2 reads and saves the norm phase and its grid
+// barrier (two per layer and one before the LM head). The arithmetic is rms_norm_bf16_body's, element for
+// element (each thread sums squares of elements tid + u * 256 in order u, then the warp butterfly, then
+// the 8 warps' sums in order), for 8 rows at a time so that their loads are in flight together.
+__shared__ float fused_norm_sums[8][FUSED_THREADS / 32];
+__device__ __noinline__ void fused_norm_stage(const FusedGemm& g, float eps, unsigned char* xs_buf, int xs_stride) {
+    const int dim = g.K, d4 = dim / 4, tid = threadIdx.x, nt = blockDim.x;
+    const int warp = tid >> 5, lane = tid & 31;
+    for (int r0 = 0; r0 < g.M; r0 += 8) {
+        const int nr = min(8, g.M - r0);
+        float ss[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) ss[j] = 0.0f;
+        for (int i = tid; i < d4; i += nt) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                if (j >= nr) break;
+                const int m = r0 + j;
+                float4 v;
+                if (g.norm.embed) {
+                    const unsigned short* e = g.norm.embed + (size_t)g.norm.tokens[m] * dim + 4 * i;
+                    v = make_float4(bf16_to_f32(e[0]), bf16_to_f32(e[1]), bf16_to_f32(e[2]), bf16_to_f32(e[3]));
+                } else {
+                    const int src = g.norm.rows ? g.norm.rows[m] : m;
+                    v = reinterpret_cast<const float4*>(g.norm.x + (size_t)src * dim)[i];
+                }
+                ss[j] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if (j >= nr) break;
+            float v = ss[j];
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0) fused_norm_sums[j][warp] = v;
+        }
+        __syncthreads();
+        for (int j = 0; j < nr; ++j) {
+            const int m = r0 + j;
+            float total = 0.0f;
+            for (int w = 0; w < nt / 32; ++w) total += fused_norm_sums[j][w];
+            const float inv = 1.0f / sqrtf(total / (float)dim + eps);
+            for (int i = tid; i < d4; i += nt) {
+                float4 v;
+                if (g.norm.embed) {
+                    const unsigned short* e = g.norm.embed + (size_t)g.norm.tokens[m] * dim + 4 * i;
+                    v = make_float4(bf16_to_f32(e[0]), bf16_to_f32(e[1]), bf16_to_f32(e[2]), bf16_to_f32(e[3]));
+                } else {
+                    const int src = g.norm.rows ? g.norm.rows[m] : m;
+                    v = reinterpret_cast<const float4*>(g.norm.x + (size_t)src * dim)[i];
+                }
+                const float4 w = reinterpret_cast<const float4*>(g.norm.w)[i];
+                ushort4 o;
+                o.x = f32_to_bf16(w.x * (v.x * inv));
+                o.y = f32_to_bf16(w.y * (v.y * inv));
+                o.z = f32_to_bf16(w.z * (v.z * inv));
+                o.w = f32_to_bf16(w.w * (v.w * inv));
+                *reinterpret_cast<ushort4*>(xs_buf + (size_t)m * xs_stride + (size_t)i * 8) = o;
+            }
+        }
+        __syncthreads();  // fused_norm_sums is reused by the next 8 rows
+    }
+}
+
 // One GEMM phase over the ring. NT = 8-row activation blocks per pass (M <= 8 NT, NT <= 8); more than 64
 // rows take two passes over each chunk (rows 0..63, then 64..), accumulators for both kept in registers.
 template <int NT, int PASSES>
@@ -548,7 +627,9 @@ __device__ __noinline__ void fused_gemm_ring(const FusedParams& p, FusedProducer
     const int xs_stride = g.K * 2 + FUSED_XS_PAD;
     const bool staged = t0 < t1 && g.M * xs_stride <= p.xs_bytes;
     const long long t_stage = clock64();
-    if (staged) {
+    if (staged && g.norm.w) {
+        fused_norm_stage(g, p.eps, xs_buf, xs_stride);
+    } else if (staged) {
         const int per_row = g.K / 8;  // 16-byte pieces
         const int pieces = g.M * per_row;
         for (int base = threadIdx.x; base < pieces; base += 4 * FUSED_THREADS) {
@@ -821,6 +902,10 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
     float* attn_smem = reinterpret_cast<float*>(xs_buf);
     const int h = p.hidden, qd = p.n_heads * p.head_dim;
     const int width = (p.n_heads + 2 * p.n_kv_heads) * p.head_dim;
+    // The RMSNorms before QKV, gate/up and the LM head run inside those GEMMs' staging when the step's rows
+    // fit the staged activations (every CTA computes the same answer, so the barriers skipped are skipped
+    // everywhere); FUSED_NO_NORM_FOLD keeps them as phases of their own (the A/B).
+    const bool fold = !(flags & FUSED_NO_NORM_FOLD) && rows * (h * 2 + FUSED_XS_PAD) <= p.xs_bytes;
 
     // The weight ring: thread 0 initialises the slots' barriers, warp 0 starts the first copies.
     FusedRing ring = {fused_dyn + p.ring_offset, ring_bars, p.ring_stages, 0u};
@@ -857,10 +942,14 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
             ((unsigned long long*)&L)[threadIdx.x] = ((const unsigned long long*)(p.layers + l))[threadIdx.x];
         }
         __syncthreads();
-        const FusedGemm qkv = {L.wqkv, p.act16, p.qkv, 0, 0, width, h, rows, 0};
-        const FusedGemm o = {L.wo, p.act16, p.x, 0, L.bo, h, qd, rows, 1};
-        const FusedGemm gate_up = {L.w_gate_up, p.act16, 0, p.ffn_act16, 0, 2 * p.ffn, h, rows, 0};
-        const FusedGemm down = {L.w_down, p.ffn_act16, p.x, 0, 0, h, p.ffn, rows, 1};
+        const FusedNorm none = {0, 0, 0, 0, 0};
+        const FusedNorm attn_norm = {L.attn_norm, p.x, 0, l == 0 ? p.embed : 0, p.tokens};
+        const FusedNorm ffn_norm = {L.ffn_norm, p.x, 0, 0, 0};
+        const FusedGemm qkv = {L.wqkv, p.act16, p.qkv, 0, 0, width, h, rows, 0, fold ? attn_norm : none};
+        const FusedGemm o = {L.wo, p.act16, p.x, 0, L.bo, h, qd, rows, 1, none};
+        const FusedGemm gate_up = {L.w_gate_up, p.act16, 0, p.ffn_act16, 0, 2 * p.ffn, h, rows, 0,
+                                   fold ? ffn_norm : none};
+        const FusedGemm down = {L.w_down, p.ffn_act16, p.x, 0, 0, h, p.ffn, rows, 1, none};
         long long t = clock64();
         // Phase k's work, then the grid barrier after it, each timed when profiling.
 #define FUSED_PHASE(k, work_stmt)           \
@@ -870,9 +959,18 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
     t = clock64();                          \
     fused_grid_barrier(p.barrier);          \
     fused_prof_add(10 + k, t);
-        // A: attention RMSNorm (layer 0: from the embedding rows).
-        FUSED_PHASE(0, if (work) fused_norm_phase(p.x, 0, rows, L.attn_norm, p.act16, h, p.eps,
-                                                  l == 0 ? p.embed : 0, p.tokens))
+        // A: attention RMSNorm (layer 0: from the embedding rows), or folded into the QKV staging; then
+        // layer 0's residual rows are set from the embedding here (read first by the O projection, three
+        // grid barriers later).
+        if (!fold) {
+            FUSED_PHASE(0, if (work) fused_norm_phase(p.x, 0, rows, L.attn_norm, p.act16, h, p.eps,
+                                                      l == 0 ? p.embed : 0, p.tokens))
+        } else if (l == 0 && work) {
+            for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+                const unsigned short* src = p.embed + (size_t)p.tokens[r] * h;
+                for (int i = threadIdx.x; i < h; i += blockDim.x) p.x[(size_t)r * h + i] = bf16_to_f32(src[i]);
+            }
+        }
         // B: QKV projection.
         FUSED_PHASE(1, if (work) fused_gemm_phase(p, q, ring, qkv, red, xs_buf, 0, -1))
         // C: bias, q/k norm, RoPE, KV append.
@@ -882,8 +980,10 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
                            p, L, rows, attn_smem, (flags & FUSED_WHOLE_ROW_ATTENTION) != 0))
         // E: O projection + residual (+ o bias).
         FUSED_PHASE(4, if (work) fused_gemm_phase(p, q, ring, o, red, xs_buf, 0, -1))
-        // F: FFN RMSNorm.
-        FUSED_PHASE(5, if (work) fused_norm_phase(p.x, 0, rows, L.ffn_norm, p.act16, h, p.eps, 0, 0))
+        // F: FFN RMSNorm, or folded into the gate/up staging.
+        if (!fold) {
+            FUSED_PHASE(5, if (work) fused_norm_phase(p.x, 0, rows, L.ffn_norm, p.act16, h, p.eps, 0, 0))
+        }
         // G: gate/up + SwiGLU.
         FUSED_PHASE(6, if (work) fused_gemm_phase(p, q, ring, gate_up, red, xs_buf, 0, -1))
         // H: down projection + residual (and the tapped-layer copies).
@@ -892,8 +992,13 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
     if (n_logits > 0) {
         long long t = clock64();
         // Z1: final norm of the logits rows; Z2: LM head.
-        FUSED_PHASE(8, if (work) fused_norm_phase(p.x, p.logit_rows, n_logits, p.final_norm, p.act16, h, p.eps, 0, 0))
-        const FusedGemm head = {p.lm_head, p.act16, p.logits, 0, 0, p.vocab, h, n_logits, 0};
+        if (!fold) {
+            FUSED_PHASE(8, if (work) fused_norm_phase(p.x, p.logit_rows, n_logits, p.final_norm, p.act16, h, p.eps,
+                                                      0, 0))
+        }
+        const FusedNorm final_norm = {p.final_norm, p.x, p.logit_rows, 0, 0};
+        const FusedNorm none = {0, 0, 0, 0, 0};
+        const FusedGemm head = {p.lm_head, p.act16, p.logits, 0, 0, p.vocab, h, n_logits, 0, fold ? final_norm : none};
         t = clock64();
         if (work) fused_gemm_phase(p, q, ring, head, red, xs_buf, 0, -1);
         fused_prof_add(9, t);

@@ -283,6 +283,11 @@ pub struct FusedOptions {
     /// H200 it made the step slower, the more the deeper (1 x 1: 1.98 ms off, 2.33 with 2 chunks, 2.52
     /// with 4, 2.60 with 8; NOTES v0.9), so it is off by default and kept as a measured A/B.
     pub l2_prefetch_chunks: u32,
+    /// The RMSNorms before QKV, gate/up and the LM head computed by every CTA inside those GEMMs'
+    /// activation staging instead of in phases of their own, when the step's rows fit the staged
+    /// activations (fused_step.cu fused_norm_stage): 33 grid barriers fewer per step of llama3.2-1b.
+    /// Off: the norm phases (the A/B). On by default.
+    pub fold_norms: bool,
     /// Launch with `CU_LAUNCH_ATTRIBUTE_COOPERATIVE` (co-residency guaranteed by the driver). Without
     /// it the grid barrier relies on the occupancy check and on nothing else running on the GPU.
     pub cooperative: bool,
@@ -299,6 +304,7 @@ impl Default for FusedOptions {
             whole_tile_copies: true,
             ldgsts: false,
             l2_prefetch_chunks: DEFAULT_L2_PREFETCH_CHUNKS,
+            fold_norms: true,
             cooperative: true,
             mode: FusedMode::Full,
         }
@@ -950,7 +956,8 @@ impl GpuTransformer {
             } else {
                 0
             }
-            | if self.fused.opts.ldgsts { 32 } else { 0 };
+            | if self.fused.opts.ldgsts { 32 } else { 0 }
+            | if self.fused.opts.fold_norms { 0 } else { 64 };
         // Tapped layers (fused_decision checked supports_taps): the same slots of the same buffer the
         // standard step copies into; the list is part of the graph key.
         let taps = &self.step_taps;
