@@ -577,12 +577,22 @@ __device__ __noinline__ void fused_norm_stage(const FusedGemm& g, float eps, uns
             if (lane == 0) fused_norm_sums[j][warp] = v;
         }
         __syncthreads();
-        for (int j = 0; j < nr; ++j) {
-            const int m = r0 + j;
+        float inv[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
             float total = 0.0f;
-            for (int w = 0; w < nt / 32; ++w) total += fused_norm_sums[j][w];
-            const float inv = 1.0f / sqrtf(total / (float)dim + eps);
-            for (int i = tid; i < d4; i += nt) {
+            if (j < nr) {
+                for (int w = 0; w < nt / 32; ++w) total += fused_norm_sums[j][w];
+            }
+            inv[j] = 1.0f / sqrtf(total / (float)dim + eps);
+        }
+        // Elements outer, rows inner (as in the first pass): the rows' loads are in flight together.
+        for (int i = tid; i < d4; i += nt) {
+            const float4 w = reinterpret_cast<const float4*>(g.norm.w)[i];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                if (j >= nr) break;
+                const int m = r0 + j;
                 float4 v;
                 if (g.norm.embed) {
                     const unsigned short* e = g.norm.embed + (size_t)g.norm.tokens[m] * dim + 4 * i;
@@ -591,12 +601,11 @@ __device__ __noinline__ void fused_norm_stage(const FusedGemm& g, float eps, uns
                     const int src = g.norm.rows ? g.norm.rows[m] : m;
                     v = reinterpret_cast<const float4*>(g.norm.x + (size_t)src * dim)[i];
                 }
-                const float4 w = reinterpret_cast<const float4*>(g.norm.w)[i];
                 ushort4 o;
-                o.x = f32_to_bf16(w.x * (v.x * inv));
-                o.y = f32_to_bf16(w.y * (v.y * inv));
-                o.z = f32_to_bf16(w.z * (v.z * inv));
-                o.w = f32_to_bf16(w.w * (v.w * inv));
+                o.x = f32_to_bf16(w.x * (v.x * inv[j]));
+                o.y = f32_to_bf16(w.y * (v.y * inv[j]));
+                o.z = f32_to_bf16(w.z * (v.z * inv[j]));
+                o.w = f32_to_bf16(w.w * (v.w * inv[j]));
                 *reinterpret_cast<ushort4*>(xs_buf + (size_t)m * xs_stride + (size_t)i * 8) = o;
             }
         }

@@ -41,18 +41,22 @@
 //! Usage: gpu_fused_check [--quick] [--no-cooperative]
 //!        gpu_fused_check --bench [--context N] [--samples N] [--no-tune] [--seed N] [--no-cooperative]
 
+#[path = "../../../verifier/tests/common/mod.rs"]
+mod common;
+
 use anyhow::{bail, Context, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use specula_experiments::max_relative_error as max_rel;
 use specula_experiments::step_bench::{copy_bandwidth, percentile};
 use specula_experiments::tiny_check_config;
-use specula_kernels::sampling::argmax;
+use specula_kernels::sampling::{self, argmax, SamplingParams};
 use specula_model::gpu::fused::{FusedMode, FusedOptions, StepBackend};
 use specula_model::gpu::{AttentionKernel, GpuOptions, GpuSeqInput, GpuTransformer, StepAblation};
 use specula_model::loader::load;
 use specula_model::random::{preset, random_transformer};
 use specula_model::{Arch, PagedKvCache, SeqId, SeqInput, Transformer, WeightDtype};
+use specula_verifier::{AcceptanceRule, DraftProbs, VerifyInput};
 
 const LIMIT: f64 = 1e-2;
 
@@ -615,6 +619,8 @@ fn check(quick: bool, cooperative: bool) -> Result<()> {
         let mut gpu = GpuTransformer::random(config, seed, opts.clone())?;
         check_variants(&mut tally, name, &cpu, &mut gpu, quick, false, cooperative)?;
     }
+    println!("speculative sampling through each step backend (standard rule, T = 1, k = 2):");
+    distribution_check(&mut tally, quick)?;
     println!(
         "worst relative error {:.3e} (limit {LIMIT:.0e}); {} failures",
         tally.worst,
@@ -622,6 +628,135 @@ fn check(quick: bool, cooperative: bool) -> Result<()> {
     );
     if !tally.failures.is_empty() {
         bail!("failed: {}", tally.failures.join("; "));
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Distribution: speculative sampling through each step backend is lossless
+
+/// The standard path's end-to-end distribution test, on both backends: the embedded default target
+/// (vocab 4096; a trained model, so p1 is peaked enough for the test to have power: entropy 4.25 nats),
+/// a fixed text prefix, and per trial two drafts drawn from fixed draft distributions (q1 = 0.7 p1 + 0.3
+/// uniform, q2 = a random row), verified in one GPU step (fused or standard) whose logits give the
+/// target rows (T = 1), then the standard rule (the verifier, seeded uniforms), and the step rolled
+/// back. The first emitted token must be distributed as p1, the target's distribution after the prefix
+/// from the CPU reference forward: chi-square p-value above 1e-3 (cells of expected count < 5 pooled).
+/// The same counts against p1 at temperature 1.1 (total variation 0.074 from p1) must be rejected
+/// (p < 1e-3), which shows the test can fail.
+fn distribution_check(tally: &mut Tally, quick: bool) -> Result<()> {
+    let trials = if quick { 20_000 } else { 60_000 };
+    let path = "models/default/target";
+    let loaded =
+        load(path.as_ref(), WeightDtype::Bf16).with_context(|| format!("loading {path}"))?;
+    let cpu = &loaded.model;
+    let vocab = cpu.config.vocab_size;
+    let opts = GpuOptions {
+        max_sequences: 2,
+        max_positions: 256,
+        max_rows: 16,
+        ..Default::default()
+    };
+    let mut gpu = GpuTransformer::upload(cpu, opts)?;
+    let mut rng = ChaCha8Rng::seed_from_u64(23);
+    let prompt = loaded
+        .tokenizer()?
+        .encode("def fibonacci(n):\n    if n < 2:\n        return", false)?;
+    let t1 = SamplingParams {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+    };
+    // p1 on the CPU: the prompt's last row.
+    let mut cache = cpu.new_cache(256);
+    let cseq = cache.add_sequence();
+    let out = cpu.forward(
+        &mut cache,
+        &[SeqInput {
+            seq: cseq,
+            tokens: &prompt,
+            num_logits: 1,
+        }],
+        &[],
+    )?;
+    let p1 = sampling::probabilities(&out.logits, &t1)?;
+    let q1: Vec<f32> = p1.iter().map(|&p| 0.7 * p + 0.3 / vocab as f32).collect();
+    let q2_logits: Vec<f32> = (0..vocab).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+    let q2 = sampling::probabilities(&q2_logits, &t1)?;
+    let hot = sampling::probabilities(
+        &out.logits,
+        &SamplingParams {
+            temperature: 1.1,
+            ..t1
+        },
+    )?;
+    let expected: Vec<f64> = p1.iter().map(|&p| p as f64).collect();
+    let wrong: Vec<f64> = hot.iter().map(|&p| p as f64).collect();
+    // The GPU prefix: all of the prompt but its last token, which each trial's block starts with
+    // (the pending token of a verify step).
+    let gseq = gpu.add_sequence()?;
+    let head = &prompt[..prompt.len() - 1];
+    gpu.forward(&[GpuSeqInput {
+        seq: gseq,
+        tokens: head,
+        num_logits: 1,
+    }])?;
+    let start = gpu.seq_len(gseq)?;
+    for backend in [StepBackend::Standard, StepBackend::LatencySpecialized] {
+        gpu.set_step_backend(backend)?;
+        let mut counts = vec![0u64; vocab];
+        let mut accepted = 0usize;
+        let mut fused_steps = 0usize;
+        let mut trial_rng = ChaCha8Rng::seed_from_u64(29);
+        for _ in 0..trials {
+            let d1 = sampling::sample_from(&q1, trial_rng.random::<f64>());
+            let d2 = sampling::sample_from(&q2, trial_rng.random::<f64>());
+            let block = [prompt[prompt.len() - 1], d1, d2];
+            let f = gpu.forward(&[GpuSeqInput {
+                seq: gseq,
+                tokens: &block,
+                num_logits: 3,
+            }])?;
+            fused_steps += usize::from(gpu.last_step_fused());
+            gpu.truncate(gseq, start)?;
+            let target: Vec<Vec<f32>> = f
+                .logits
+                .chunks(vocab)
+                .map(|row| sampling::probabilities(row, &t1))
+                .collect::<Result<_, _>>()?;
+            let draft = [q1.clone(), q2.clone()];
+            let outcome = AcceptanceRule::Standard.verify(
+                &VerifyInput {
+                    draft_tokens: &[d1, d2],
+                    draft_probs: DraftProbs::Full(&draft),
+                    target_probs: &target,
+                },
+                &mut trial_rng,
+            )?;
+            counts[outcome.emitted[0] as usize] += 1;
+            accepted += outcome.num_accepted;
+        }
+        let p = common::pooled_p_value(&counts, &expected);
+        let p_wrong = common::pooled_p_value(&counts, &wrong);
+        let name = backend.name();
+        let ok = p > 1e-3 && p_wrong < 1e-3;
+        let expect_fused = backend == StepBackend::LatencySpecialized;
+        let ran_as_expected = fused_steps == if expect_fused { trials } else { 0 };
+        println!(
+            "  {name:<20} {trials} trials, {fused_steps} fused steps, mean accepted drafts {:.3}: first emitted token vs p1 p = {p:.3}, vs p1 at T=1.1 p = {p_wrong:.1e} -> {}",
+            accepted as f64 / trials as f64,
+            if ok && ran_as_expected { "ok" } else { "FAIL" }
+        );
+        if !ok {
+            tally.fail(format!(
+                "{name}: distribution test p = {p:.3e} (must be > 1e-3), control p = {p_wrong:.3e} (must be < 1e-3)"
+            ));
+        }
+        if !ran_as_expected {
+            tally.fail(format!(
+                "{name}: {fused_steps} of {trials} distribution-test steps ran fused"
+            ));
+        }
     }
     Ok(())
 }

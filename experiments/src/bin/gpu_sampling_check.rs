@@ -22,7 +22,7 @@
 mod common;
 
 use anyhow::{bail, Context, Result};
-use common::{cell, chi_square_p_value, normalised, TableModel};
+use common::{cell, normalised, pooled_p_value, TableModel};
 use cudarc::driver::CudaStream;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -244,28 +244,6 @@ fn random_logits(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
 
 fn sample_row(rng: &mut ChaCha8Rng, row: &[f32]) -> u32 {
     sampling::sample_from(row, rng.random::<f64>())
-}
-
-/// Chi-square p-value with cells of expected count below 5 pooled into one (the test's approximation
-/// needs it); zero-probability cells stay separate, so a count there still fails the test.
-fn pooled_p_value(counts: &[u64], probs: &[f64]) -> f64 {
-    let n: u64 = counts.iter().sum();
-    let (mut obs, mut exp) = (Vec::new(), Vec::new());
-    let (mut rest_o, mut rest_p) = (0u64, 0.0);
-    for (&o, &p) in counts.iter().zip(probs) {
-        if p > 0.0 && p * (n as f64) < 5.0 {
-            rest_o += o;
-            rest_p += p;
-        } else {
-            obs.push(o);
-            exp.push(p);
-        }
-    }
-    if rest_p > 0.0 {
-        obs.push(rest_o);
-        exp.push(rest_p);
-    }
-    chi_square_p_value(&obs, &exp)
 }
 
 // ------------------------------------------------------------------------------------------------

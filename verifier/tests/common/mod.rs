@@ -260,3 +260,25 @@ pub fn chi_square_p_value(observed: &[u64], expected: &[f64]) -> f64 {
     }
     gamma_q((cells - 1) as f64 / 2.0, stat / 2.0)
 }
+
+/// Chi-square p-value with cells of expected count below 5 pooled into one (the test's approximation
+/// needs it); zero-probability cells stay separate, so a count there still fails the test.
+pub fn pooled_p_value(counts: &[u64], probs: &[f64]) -> f64 {
+    let n: u64 = counts.iter().sum();
+    let (mut obs, mut exp) = (Vec::new(), Vec::new());
+    let (mut rest_o, mut rest_p) = (0u64, 0.0);
+    for (&o, &p) in counts.iter().zip(probs) {
+        if p > 0.0 && p * (n as f64) < 5.0 {
+            rest_o += o;
+            rest_p += p;
+        } else {
+            obs.push(o);
+            exp.push(p);
+        }
+    }
+    if rest_p > 0.0 {
+        obs.push(rest_o);
+        exp.push(rest_p);
+    }
+    chi_square_p_value(&obs, &exp)
+}
