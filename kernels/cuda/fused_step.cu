@@ -127,7 +127,7 @@ struct FusedParams {
     int ring_offset;  // byte offset of the ring in dynamic shared memory (after the phase scratch)
     int xs_bytes;     // bytes of the activation / attention region (at FUSED_RED_BYTES)
     int chunk_k;      // weight columns per ring chunk (a multiple of 256)
-    int l2_prefetch;  // chunks of the sequence kept requested into L2 ahead of the ring (0: off)
+    int reserved;
     float eps;
     float scale;
 };
@@ -155,7 +155,6 @@ static_assert(sizeof(FusedParams) == 20 * 8 + 16 * 4, "FusedParams must match gp
 // group per chunk, `cp.async.wait_group` before use) instead of the TMA engine: an A/B for the measured
 // ~12 GB/s per SM of the bulk-copy ring (NOTES v0.7). Rows always land padded (fused_row_stride).
 #define FUSED_LDGSTS 32
-#define FUSED_NO_NORM_FOLD 64
 #define FUSED_PROF_SLOTS 32
 __shared__ unsigned long long fused_prof[FUSED_PROF_SLOTS];
 __shared__ int fused_prof_on;
@@ -225,10 +224,6 @@ __device__ __forceinline__ void fused_mbar_wait(unsigned long long* bar, unsigne
 __device__ __forceinline__ void fused_cp_async_16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(fused_smem_addr(dst)), "l"(src) : "memory");
 }
-// Asks the bulk-copy engine to bring `bytes` (a multiple of 16, 16-byte aligned) into L2; nothing waits.
-__device__ __forceinline__ void fused_prefetch_l2(const void* src, unsigned int bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-}
 __device__ __forceinline__ void fused_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // Waits until at most `pending` of this thread's commit groups are in flight (an immediate in PTX).
 __device__ __forceinline__ void fused_cp_async_wait(int pending) {
@@ -245,7 +240,6 @@ __device__ __forceinline__ void fused_cp_async_wait(int pending) {
 }
 #else
 __device__ __forceinline__ void fused_cp_async_16(void*, const void*) { __trap(); }
-__device__ __forceinline__ void fused_prefetch_l2(const void*, unsigned int) {}
 __device__ __forceinline__ void fused_cp_async_commit() {}
 __device__ __forceinline__ void fused_cp_async_wait(int) {}
 __device__ __forceinline__ void fused_mbar_init(unsigned long long*) { __trap(); }
@@ -293,17 +287,6 @@ __device__ __forceinline__ void fused_grid_barrier(unsigned int* bar) {
 // and of the activation rows nt * 8 + g, the k-permuted m16n8k16 fragments of skinny_linear_tile, and
 // accumulates the tile over all of its chunks in registers; at the tile's end the 8 warps' partial sums
 // are reduced in warp order through shared memory (deterministic; independent of the grid size).
-// An RMSNorm folded into a GEMM's activation staging (see fused_norm_stage): the GEMM's input rows are
-// norm(x[rows[m]]) (rows null: m), or at layer 0 norm(embed[tokens[m]]). w null: no norm, the GEMM
-// reads its bf16 input `x` as given.
-struct FusedNorm {
-    const float* w;
-    const float* x;
-    const int* rows;
-    const unsigned short* embed;
-    const int* tokens;
-};
-
 struct FusedGemm {
     const unsigned short* w;
     const unsigned short* x;
@@ -311,7 +294,6 @@ struct FusedGemm {
     unsigned short* act;      // SwiGLU output (paired gate/up), else null
     const float* bias_after;  // added to out after the tile (O projection bias), else null
     int N, K, M, accumulate;
-    FusedNorm norm;
 };
 
 // Tapped-layer copies of the residual stream (see fused_tile_out).
@@ -355,7 +337,6 @@ struct FusedProducer {
     unsigned int issued;  // chunks copied so far (slot = issued % stages)
     bool whole_tiles;     // FUSED_WHOLE_TILE_COPIES
     bool ldgsts;          // FUSED_LDGSTS: every thread keeps the cursor and copies its share
-    FusedProducer* ahead; // the L2 prefetch cursor (warp 0, p.l2_prefetch > 0), else null
 };
 
 // Bytes between consecutive weight rows of a chunk in its slot.
@@ -404,28 +385,6 @@ __device__ __forceinline__ FusedChunk fused_next_chunk(const FusedParams& p, con
     return c;
 }
 
-// L2 prefetch: the ring holds only a few chunks, and between GEMM phases (norms, RoPE, attention, grid
-// barriers) it is full and HBM would idle. A second cursor over the same chunk sequence keeps the next
-// p.l2_prefetch chunks after the ring's requested into L2 (bulk prefetches, nothing waits on them), so
-// HBM streams through those gaps and the ring's copies that follow come from L2. `ahead` is topped up
-// to `issued + p.l2_prefetch` chunks by all lanes of warp 0 (identical cursors; lane i takes row i of
-// a chunk that is not one contiguous tile). The bound keeps 132 CTAs x p.l2_prefetch chunks within L2.
-// Measured on the H200 (NOTES v0.9): slower at every depth (1 x 1: 1.98 ms off, 2.33 / 2.52 / 2.60 ms
-// at 2 / 4 / 8 chunks), even in the LM head, which streams at ~4 TB/s without it; off by default.
-__device__ void fused_prefetch_topup(const FusedParams& p, FusedProducer& ahead, unsigned int issued) {
-    const int lane = threadIdx.x & 31;
-    while (ahead.phase < ahead.phases && ahead.issued < issued + (unsigned)p.l2_prefetch) {
-        const FusedChunk c = fused_next_chunk(p, ahead, 0, 1);
-        const unsigned int bytes = (unsigned int)c.width * 2u;
-        if (c.width == ahead.K) {
-            if (lane == 0) fused_prefetch_l2(ahead.w + (size_t)c.r0 * ahead.K, bytes * (unsigned)c.rows);
-        } else if (lane < c.rows) {
-            fused_prefetch_l2(ahead.w + (size_t)(c.r0 + lane) * ahead.K + c.k0, bytes);
-        }
-        fused_producer_advance(p, ahead);
-    }
-}
-
 // Copies the next chunk of the sequence into its slot; nothing past the end. Called by all 32 lanes of
 // warp 0, which keep identical cursors: lane 0 sets the slot's transaction count, lane i copies row i.
 __device__ void fused_producer_issue(const FusedParams& p, FusedProducer& q, unsigned char* ring,
@@ -447,7 +406,6 @@ __device__ void fused_producer_issue(const FusedParams& p, FusedProducer& q, uns
                         &bars[c.slot]);
     }
     fused_producer_advance(p, q);
-    if (q.ahead) fused_prefetch_topup(p, *q.ahead, q.issued);
 }
 
 // FUSED_LDGSTS: the next chunk of the sequence into its slot by all threads (16 bytes each per
@@ -538,81 +496,6 @@ __device__ __forceinline__ void fused_tile_out(const FusedGemm& g, float (&c)[NT
     }
 }
 
-// The RMSNorm of the GEMM's M input rows (dim = g.K), computed by this CTA straight into its staged
-// activations (bf16, rows xs_stride bytes apart) instead of in a phase of its own: every CTA with tiles
-// normalises the rows itself, which costs each a few KB of L2 reads and saves the norm phase and its grid
-// barrier (two per layer and one before the LM head). The arithmetic is rms_norm_bf16_body's, element for
-// element (each thread sums squares of elements tid + u * 256 in order u, then the warp butterfly, then
-// the 8 warps' sums in order), for 8 rows at a time so that their loads are in flight together.
-__shared__ float fused_norm_sums[8][FUSED_THREADS / 32];
-__device__ __noinline__ void fused_norm_stage(const FusedGemm& g, float eps, unsigned char* xs_buf, int xs_stride) {
-    const int dim = g.K, d4 = dim / 4, tid = threadIdx.x, nt = blockDim.x;
-    const int warp = tid >> 5, lane = tid & 31;
-    for (int r0 = 0; r0 < g.M; r0 += 8) {
-        const int nr = min(8, g.M - r0);
-        float ss[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) ss[j] = 0.0f;
-        for (int i = tid; i < d4; i += nt) {
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                if (j >= nr) break;
-                const int m = r0 + j;
-                float4 v;
-                if (g.norm.embed) {
-                    const unsigned short* e = g.norm.embed + (size_t)g.norm.tokens[m] * dim + 4 * i;
-                    v = make_float4(bf16_to_f32(e[0]), bf16_to_f32(e[1]), bf16_to_f32(e[2]), bf16_to_f32(e[3]));
-                } else {
-                    const int src = g.norm.rows ? g.norm.rows[m] : m;
-                    v = reinterpret_cast<const float4*>(g.norm.x + (size_t)src * dim)[i];
-                }
-                ss[j] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            if (j >= nr) break;
-            float v = ss[j];
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            if (lane == 0) fused_norm_sums[j][warp] = v;
-        }
-        __syncthreads();
-        float inv[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            float total = 0.0f;
-            if (j < nr) {
-                for (int w = 0; w < nt / 32; ++w) total += fused_norm_sums[j][w];
-            }
-            inv[j] = 1.0f / sqrtf(total / (float)dim + eps);
-        }
-        // Elements outer, rows inner (as in the first pass): the rows' loads are in flight together.
-        for (int i = tid; i < d4; i += nt) {
-            const float4 w = reinterpret_cast<const float4*>(g.norm.w)[i];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                if (j >= nr) break;
-                const int m = r0 + j;
-                float4 v;
-                if (g.norm.embed) {
-                    const unsigned short* e = g.norm.embed + (size_t)g.norm.tokens[m] * dim + 4 * i;
-                    v = make_float4(bf16_to_f32(e[0]), bf16_to_f32(e[1]), bf16_to_f32(e[2]), bf16_to_f32(e[3]));
-                } else {
-                    const int src = g.norm.rows ? g.norm.rows[m] : m;
-                    v = reinterpret_cast<const float4*>(g.norm.x + (size_t)src * dim)[i];
-                }
-                ushort4 o;
-                o.x = f32_to_bf16(w.x * (v.x * inv[j]));
-                o.y = f32_to_bf16(w.y * (v.y * inv[j]));
-                o.z = f32_to_bf16(w.z * (v.z * inv[j]));
-                o.w = f32_to_bf16(w.w * (v.w * inv[j]));
-                *reinterpret_cast<ushort4*>(xs_buf + (size_t)m * xs_stride + (size_t)i * 8) = o;
-            }
-        }
-        __syncthreads();  // fused_norm_sums is reused by the next 8 rows
-    }
-}
-
 // One GEMM phase over the ring. NT = 8-row activation blocks per pass (M <= 8 NT, NT <= 8); more than 64
 // rows take two passes over each chunk (rows 0..63, then 64..), accumulators for both kept in registers.
 template <int NT, int PASSES>
@@ -636,9 +519,7 @@ __device__ __noinline__ void fused_gemm_ring(const FusedParams& p, FusedProducer
     const int xs_stride = g.K * 2 + FUSED_XS_PAD;
     const bool staged = t0 < t1 && g.M * xs_stride <= p.xs_bytes;
     const long long t_stage = clock64();
-    if (staged && g.norm.w) {
-        fused_norm_stage(g, p.eps, xs_buf, xs_stride);
-    } else if (staged) {
+    if (staged) {
         const int per_row = g.K / 8;  // 16-byte pieces
         const int pieces = g.M * per_row;
         for (int base = threadIdx.x; base < pieces; base += 4 * FUSED_THREADS) {
@@ -911,10 +792,6 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
     float* attn_smem = reinterpret_cast<float*>(xs_buf);
     const int h = p.hidden, qd = p.n_heads * p.head_dim;
     const int width = (p.n_heads + 2 * p.n_kv_heads) * p.head_dim;
-    // The RMSNorms before QKV, gate/up and the LM head run inside those GEMMs' staging when the step's rows
-    // fit the staged activations (every CTA computes the same answer, so the barriers skipped are skipped
-    // everywhere); FUSED_NO_NORM_FOLD keeps them as phases of their own (the A/B).
-    const bool fold = !(flags & FUSED_NO_NORM_FOLD) && rows * (h * 2 + FUSED_XS_PAD) <= p.xs_bytes;
 
     // The weight ring: thread 0 initialises the slots' barriers, warp 0 starts the first copies.
     FusedRing ring = {fused_dyn + p.ring_offset, ring_bars, p.ring_stages, 0u};
@@ -923,8 +800,6 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
     q.issued = 0;
     q.whole_tiles = (flags & FUSED_WHOLE_TILE_COPIES) != 0;
     q.ldgsts = (flags & FUSED_LDGSTS) != 0;
-    q.ahead = 0;
-    FusedProducer ahead;
     if (work && q.ldgsts) {
         fused_producer_seek(p, q, 0);
         for (int i = 0; i < ring.stages; ++i) fused_producer_issue_ldgsts(p, q, ring.slots, ring.stages);
@@ -935,13 +810,6 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
         }
         __syncwarp();
         fused_producer_seek(p, q, 0);
-        if (p.l2_prefetch > 0) {
-            // The prefetch cursor starts where the ring's first copies end (those need no prefetch).
-            ahead = q;
-            for (int i = 0; i < ring.stages && ahead.phase < ahead.phases; ++i) fused_producer_advance(p, ahead);
-            ahead.ahead = 0;
-            q.ahead = &ahead;
-        }
         for (int i = 0; i < ring.stages; ++i) fused_producer_issue(p, q, ring.slots, ring.bars, ring.stages);
     }
     __syncthreads();
@@ -951,14 +819,10 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
             ((unsigned long long*)&L)[threadIdx.x] = ((const unsigned long long*)(p.layers + l))[threadIdx.x];
         }
         __syncthreads();
-        const FusedNorm none = {0, 0, 0, 0, 0};
-        const FusedNorm attn_norm = {L.attn_norm, p.x, 0, l == 0 ? p.embed : 0, p.tokens};
-        const FusedNorm ffn_norm = {L.ffn_norm, p.x, 0, 0, 0};
-        const FusedGemm qkv = {L.wqkv, p.act16, p.qkv, 0, 0, width, h, rows, 0, fold ? attn_norm : none};
-        const FusedGemm o = {L.wo, p.act16, p.x, 0, L.bo, h, qd, rows, 1, none};
-        const FusedGemm gate_up = {L.w_gate_up, p.act16, 0, p.ffn_act16, 0, 2 * p.ffn, h, rows, 0,
-                                   fold ? ffn_norm : none};
-        const FusedGemm down = {L.w_down, p.ffn_act16, p.x, 0, 0, h, p.ffn, rows, 1, none};
+        const FusedGemm qkv = {L.wqkv, p.act16, p.qkv, 0, 0, width, h, rows, 0};
+        const FusedGemm o = {L.wo, p.act16, p.x, 0, L.bo, h, qd, rows, 1};
+        const FusedGemm gate_up = {L.w_gate_up, p.act16, 0, p.ffn_act16, 0, 2 * p.ffn, h, rows, 0};
+        const FusedGemm down = {L.w_down, p.ffn_act16, p.x, 0, 0, h, p.ffn, rows, 1};
         long long t = clock64();
         // Phase k's work, then the grid barrier after it, each timed when profiling.
 #define FUSED_PHASE(k, work_stmt)           \
@@ -968,18 +832,9 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
     t = clock64();                          \
     fused_grid_barrier(p.barrier);          \
     fused_prof_add(10 + k, t);
-        // A: attention RMSNorm (layer 0: from the embedding rows), or folded into the QKV staging; then
-        // layer 0's residual rows are set from the embedding here (read first by the O projection, three
-        // grid barriers later).
-        if (!fold) {
-            FUSED_PHASE(0, if (work) fused_norm_phase(p.x, 0, rows, L.attn_norm, p.act16, h, p.eps,
-                                                      l == 0 ? p.embed : 0, p.tokens))
-        } else if (l == 0 && work) {
-            for (int r = blockIdx.x; r < rows; r += gridDim.x) {
-                const unsigned short* src = p.embed + (size_t)p.tokens[r] * h;
-                for (int i = threadIdx.x; i < h; i += blockDim.x) p.x[(size_t)r * h + i] = bf16_to_f32(src[i]);
-            }
-        }
+        // A: attention RMSNorm (layer 0: from the embedding rows).
+        FUSED_PHASE(0, if (work) fused_norm_phase(p.x, 0, rows, L.attn_norm, p.act16, h, p.eps,
+                                                  l == 0 ? p.embed : 0, p.tokens))
         // B: QKV projection.
         FUSED_PHASE(1, if (work) fused_gemm_phase(p, q, ring, qkv, red, xs_buf, 0, -1))
         // C: bias, q/k norm, RoPE, KV append.
@@ -989,10 +844,8 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
                            p, L, rows, attn_smem, (flags & FUSED_WHOLE_ROW_ATTENTION) != 0))
         // E: O projection + residual (+ o bias).
         FUSED_PHASE(4, if (work) fused_gemm_phase(p, q, ring, o, red, xs_buf, 0, -1))
-        // F: FFN RMSNorm, or folded into the gate/up staging.
-        if (!fold) {
-            FUSED_PHASE(5, if (work) fused_norm_phase(p.x, 0, rows, L.ffn_norm, p.act16, h, p.eps, 0, 0))
-        }
+        // F: FFN RMSNorm.
+        FUSED_PHASE(5, if (work) fused_norm_phase(p.x, 0, rows, L.ffn_norm, p.act16, h, p.eps, 0, 0))
         // G: gate/up + SwiGLU.
         FUSED_PHASE(6, if (work) fused_gemm_phase(p, q, ring, gate_up, red, xs_buf, 0, -1))
         // H: down projection + residual (and the tapped-layer copies).
@@ -1001,13 +854,8 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
     if (n_logits > 0) {
         long long t = clock64();
         // Z1: final norm of the logits rows; Z2: LM head.
-        if (!fold) {
-            FUSED_PHASE(8, if (work) fused_norm_phase(p.x, p.logit_rows, n_logits, p.final_norm, p.act16, h, p.eps,
-                                                      0, 0))
-        }
-        const FusedNorm final_norm = {p.final_norm, p.x, p.logit_rows, 0, 0};
-        const FusedNorm none = {0, 0, 0, 0, 0};
-        const FusedGemm head = {p.lm_head, p.act16, p.logits, 0, 0, p.vocab, h, n_logits, 0, fold ? final_norm : none};
+        FUSED_PHASE(8, if (work) fused_norm_phase(p.x, p.logit_rows, n_logits, p.final_norm, p.act16, h, p.eps, 0, 0))
+        const FusedGemm head = {p.lm_head, p.act16, p.logits, 0, 0, p.vocab, h, n_logits, 0};
         t = clock64();
         if (work) fused_gemm_phase(p, q, ring, head, red, xs_buf, 0, -1);
         fused_prof_add(9, t);

@@ -51,10 +51,6 @@ pub const DEFAULT_CHUNK_K: u32 = 2048;
 const DEFAULT_RING_BYTES: usize = 136 << 10;
 /// Most ring slots (fused_step.cu FUSED_MAX_RING) and fewest that make sense (double buffering).
 pub const MAX_RING_STAGES: u32 = 16;
-/// `FusedOptions::l2_prefetch_chunks` by default (off: measured slower, see there) and at most (64
-/// chunks of 64 KB per CTA would be 8 times the L2).
-pub const DEFAULT_L2_PREFETCH_CHUNKS: u32 = 0;
-pub const MAX_L2_PREFETCH_CHUNKS: u32 = 64;
 /// fused_step.cu FUSED_RED_BYTES: the GEMM reduction scratch (8 warps x 32 rows x 16 floats).
 const RED_BYTES: usize = 8 * 32 * 16 * 4;
 const MIN_RING_STAGES: u32 = 2;
@@ -277,17 +273,6 @@ pub struct FusedOptions {
     /// Fill the ring with cp.async (LDGSTS) by all threads instead of the TMA engine (fused_step.cu
     /// FUSED_LDGSTS): an A/B against the bulk copies' measured per-SM rate. Off by default.
     pub ldgsts: bool,
-    /// Chunks of each CTA's weight sequence kept requested into L2 ahead of its ring (bulk L2
-    /// prefetches, fused_step.cu fused_prefetch_topup; 0: off). Meant to keep HBM streaming through
-    /// the phases between GEMMs (norms, RoPE, attention, grid barriers), when the ring is full; on the
-    /// H200 it made the step slower, the more the deeper (1 x 1: 1.98 ms off, 2.33 with 2 chunks, 2.52
-    /// with 4, 2.60 with 8; NOTES v0.9), so it is off by default and kept as a measured A/B.
-    pub l2_prefetch_chunks: u32,
-    /// The RMSNorms before QKV, gate/up and the LM head computed by every CTA inside those GEMMs'
-    /// activation staging instead of in phases of their own, when the step's rows fit the staged
-    /// activations (fused_step.cu fused_norm_stage): 33 grid barriers fewer per step of llama3.2-1b.
-    /// Off: the norm phases (the A/B). On by default.
-    pub fold_norms: bool,
     /// Launch with `CU_LAUNCH_ATTRIBUTE_COOPERATIVE` (co-residency guaranteed by the driver). Without
     /// it the grid barrier relies on the occupancy check and on nothing else running on the GPU.
     pub cooperative: bool,
@@ -303,8 +288,6 @@ impl Default for FusedOptions {
             chunk_k: 0,
             whole_tile_copies: true,
             ldgsts: false,
-            l2_prefetch_chunks: DEFAULT_L2_PREFETCH_CHUNKS,
-            fold_norms: true,
             cooperative: true,
             mode: FusedMode::Full,
         }
@@ -459,7 +442,6 @@ struct FusedParamsHost {
     ring_offset: i32,
     xs_bytes: i32,
     chunk_k: i32,
-    l2_prefetch: i32,
     eps: f32,
     scale: f32,
 }
@@ -502,7 +484,7 @@ impl FusedParamsHost {
             self.ring_offset as u32,
             self.xs_bytes as u32,
             self.chunk_k as u32,
-            self.l2_prefetch as u32,
+            0,
             self.eps.to_bits(),
             self.scale.to_bits(),
         ];
@@ -738,12 +720,6 @@ impl FusedStep {
             ring_offset: ring_offset as i32,
             xs_bytes: xs_bytes as i32,
             chunk_k: chunk_k as i32,
-            // Without the bulk-copy ring (LDGSTS) there is no producer warp to keep the cursor.
-            l2_prefetch: if opts.ldgsts {
-                0
-            } else {
-                opts.l2_prefetch_chunks.min(MAX_L2_PREFETCH_CHUNKS) as i32
-            },
             eps: c.rms_norm_eps,
             // The same expression as the standard step's attention scale (bit-identical).
             scale: 1.0 / (c.head_dim as f32).sqrt(),
@@ -956,8 +932,7 @@ impl GpuTransformer {
             } else {
                 0
             }
-            | if self.fused.opts.ldgsts { 32 } else { 0 }
-            | if self.fused.opts.fold_norms { 0 } else { 64 };
+            | if self.fused.opts.ldgsts { 32 } else { 0 };
         // Tapped layers (fused_decision checked supports_taps): the same slots of the same buffer the
         // standard step copies into; the list is part of the graph key.
         let taps = &self.step_taps;
@@ -1254,7 +1229,6 @@ mod tests {
             ring_offset: 32768,
             xs_bytes: 4096,
             chunk_k: 2048,
-            l2_prefetch: 4,
             eps: 1e-5,
             scale: 0.125,
             ..Default::default()
@@ -1271,8 +1245,8 @@ mod tests {
         // 25.
         assert_eq!(w[24] >> 32, 12);
         assert_eq!(w[25], 32768 | (4096u64 << 32));
-        // chunk_k and l2_prefetch share word 26; eps and scale word 27.
-        assert_eq!(w[26], 2048 | (4u64 << 32));
+        // chunk_k and the reserved int share word 26; eps and scale word 27.
+        assert_eq!(w[26], 2048);
         assert_eq!(
             w[27],
             u64::from(1e-5f32.to_bits()) | (u64::from(0.125f32.to_bits()) << 32)

@@ -23,17 +23,15 @@
 //! the default weight ring, cooperative) with the launch-size attention choice; a 5-CTA fused grid
 //! with a 2-slot ring of 256-column chunks filled by cp.async instead of the TMA engine (many tiles per
 //! CTA, the ring wrapping constantly) with split-key
-//! attention; the two-CTAs-per-SM kernel with row copies (16 per chunk), the RMSNorms as phases of their
-//! own (not folded into the GEMMs' staging) and whole-row attention; the embedded target also runs a
+//! attention; the two-CTAs-per-SM kernel with row copies (16 per chunk) and whole-row attention; the embedded target also runs a
 //! non-cooperative launch. The fused GEMM (v1, weights through the shared-memory ring) sums in another
 //! order than the standard step's kernels, so fused and standard agree to rounding ("not
 //! bit-identical" is expected; v0 was bit-identical).
 //!
 //! `--bench`: llama3.2-1b with seeded random weights; device time per graph replay (CUDA events, the
 //! mean of 10 back-to-back replays per sample) of the standard step (GEMMs tuned as in `specula bench
-//! step`) and of the fused step and its variants (the RMSNorms as phases of their own instead of folded
-//! into the GEMMs' staging; L2 prefetch of 4 chunks (v0.9: 2 and 8 were slower still); barriers only;
-//! no attention) at
+//! step`) and of the fused step and its variants (1024-column ring chunks, row copies, cp.async copies, barriers only, no
+//! attention) at
 //! 1/2/4/8 requests x 1/8 tokens, at `--context` cached positions; medians and P90 in a table, plus the
 //! fused-vs-standard logits difference of each setting.
 //!
@@ -515,11 +513,10 @@ fn check_variants(
             AttentionKernel::Split,
         ),
         (
-            "fused 2 CTAs per SM, row copies, norm phases / standard WholeRow attention (both)",
+            "fused 2 CTAs per SM, row copies / standard WholeRow attention (both)",
             FusedOptions {
                 ctas_per_sm: 2,
                 whole_tile_copies: false,
-                fold_norms: false,
                 ..Default::default()
             },
             AttentionKernel::WholeRow,
@@ -826,18 +823,26 @@ fn bench(args: BenchArgs) -> Result<()> {
             opts: fused,
         },
         Variant {
-            name: "fused, norm phases",
+            name: "fused, 1024-column chunks",
             backend: StepBackend::LatencySpecialized,
             opts: FusedOptions {
-                fold_norms: false,
+                chunk_k: 1024,
                 ..fused
             },
         },
         Variant {
-            name: "fused, L2 prefetch 4",
+            name: "fused, row copies",
             backend: StepBackend::LatencySpecialized,
             opts: FusedOptions {
-                l2_prefetch_chunks: 4,
+                whole_tile_copies: false,
+                ..fused
+            },
+        },
+        Variant {
+            name: "fused, cp.async copies",
+            backend: StepBackend::LatencySpecialized,
+            opts: FusedOptions {
+                ldgsts: true,
                 ..fused
             },
         },
