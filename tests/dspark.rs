@@ -3,15 +3,16 @@
 //!   drafter trained for it (high acceptance: long accepted blocks), and on the DeepSpec fixture's
 //!   tiny Qwen3 target with its random drafter (low acceptance), for k = 1..7, batches of 1..4,
 //!   every rule at temperature 0, whole and chunked prefill;
-//! - sampled DSpark speculation (standard and block rules, DSpark's full draft distributions)
-//!   follows the target's exact joint distribution (chi-square against enumeration).
+//! - sampled DSpark speculation (standard and block rules, DSpark's full draft distributions, and
+//!   drafting at another temperature than the target's) follows the target's exact joint
+//!   distribution (chi-square against enumeration).
 
 #[path = "../verifier/tests/common/mod.rs"]
 mod common;
 
-use common::chi_square_p_value;
+use common::pooled_p_value;
 use specula_drafters::dspark::DSparkConfig;
-use specula_drafters::{DSparkDrafter, DSparkModel, Drafter};
+use specula_drafters::{DSparkDrafter, DSparkModel, DraftTemperature, Drafter};
 use specula_engine::{
     generate, generate_batch, Event, GenerationRequest, Scheduler, SchedulerConfig,
 };
@@ -213,25 +214,6 @@ fn exact_joint(target: &Transformer, prompt: &[u32], vocab: usize, len: usize) -
     joint
 }
 
-/// Cells with an expected count below 5 are pooled, as the chi-square approximation needs.
-fn pooled_p_value(counts: &[u64], expected: &[f64]) -> f64 {
-    let n: u64 = counts.iter().sum();
-    let (mut obs, mut exp) = (Vec::new(), Vec::new());
-    let (mut rest_o, mut rest_e) = (0u64, 0f64);
-    for (&o, &e) in counts.iter().zip(expected) {
-        if e * n as f64 >= 5.0 {
-            obs.push(o);
-            exp.push(e);
-        } else {
-            rest_o += o;
-            rest_e += e;
-        }
-    }
-    obs.push(rest_o);
-    exp.push(rest_e);
-    chi_square_p_value(&obs, &exp)
-}
-
 #[test]
 fn sampled_dspark_speculation_follows_the_target_distribution() {
     let (target, model) = fixture();
@@ -288,6 +270,43 @@ fn sampled_dspark_speculation_follows_the_target_distribution() {
             steps > 0 && accepted > 100.0,
             "the drafter must actually propose and be accepted"
         );
+    }
+    // Drafting at another temperature than the target's (sharper, and greedy drafts with a one-hot
+    // q) changes acceptance, never the output distribution.
+    for draft_t in [0.5f32, 0.0] {
+        let mut tempered =
+            DraftTemperature::new(Box::new(DSparkDrafter::new(fixture().1)), draft_t).unwrap();
+        let mut counts = vec![0u64; expected.len()];
+        let reqs: Vec<GenerationRequest> = (0..n_runs)
+            .map(|seed| GenerationRequest {
+                sampling: SamplingParams {
+                    temperature: 1.0,
+                    top_k: 0,
+                    top_p: 1.0,
+                },
+                seed,
+                vocab_limit: Some(vocab),
+                ..request(prompt.clone(), len, k)
+            })
+            .collect();
+        let out = generate_batch(
+            &target,
+            Some(&mut tempered),
+            &AcceptanceRule::Standard,
+            &reqs,
+            None,
+        )
+        .unwrap();
+        for o in &out.outputs {
+            counts[cell(&o.token_ids)] += 1;
+        }
+        let p = pooled_p_value(&counts, &expected);
+        eprintln!("draft temperature {draft_t}: chi-square p = {p:.3}");
+        assert!(
+            p > 1e-3,
+            "drafting at {draft_t}: the output deviates from the target, p = {p}"
+        );
+        assert!(out.run.acceptance_length.unwrap_or(1.0) > 1.0);
     }
     // The check has power: the same counts against a wrong distribution (the joint of a shifted
     // prompt) are rejected.

@@ -14,6 +14,9 @@
 #   fixture_check.txt, stdout.txt, SHA256SUMS
 # Wall clock: about 7.5 minutes on one H200 (TOTAL_SECONDS 430 for start-up + generation + training + evaluation,
 # no evaluation simulation starts after 490 s, and a hard stop at 570 s). SMOKE=1 runs the tiny CPU version.
+# The script's environment overrides pass through (CE_W, TV_W, SAMPLED_FRAC, DSPARK_LAYERS, MARKOV_RANK, ...);
+# the next run planned (NOTES v0.5b), a full-length one leaning to temperature 1:
+#   run(command="SAMPLED_FRAC=0.65 bash experiments/train_dspark/run_h200.sh", carry=[".carry/dspark-train"], timeout_s=600)
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
