@@ -247,3 +247,41 @@ fn golden_round_trip_reproduces_natural_al_and_refuses_mismatches() {
     .unwrap_err();
     assert!(err.to_string().contains("natural acceptance only"), "{err}");
 }
+
+/// `DRAFTER@draft_t=X` drafts sampled requests at X: the draft model at T=1 with draft temperature 0
+/// drafts greedily (one-hot q), which changes acceptance but is still a valid natural run; a bad
+/// suffix is a config error naming the drafter.
+#[test]
+fn drafter_specs_take_a_drafting_temperature() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = AcceptanceConfig {
+        drafters: vec!["embedded".into(), "embedded@draft_t=0".into()],
+        temperatures: vec![1.0],
+        rules: vec!["standard".into()],
+        max_new_tokens: 16,
+        ..small_config(heldback())
+    };
+    let report = run_acceptance(&config, &options(&dir.path().join("run"))).unwrap();
+    assert_eq!(report.results_written, 4);
+    let (results, _) = read_results(&dir.path().join("run"), false).unwrap();
+    let drafters: std::collections::BTreeSet<&str> = results
+        .iter()
+        .map(|r| r.setting_key.split('|').next().unwrap())
+        .collect();
+    assert_eq!(
+        drafters.into_iter().collect::<Vec<_>>(),
+        ["drafter=embedded", "drafter=embedded@draft_t=0"]
+    );
+    for bad in [
+        "embedded@draft_t=-1",
+        "embedded@draft_t=hot",
+        "nope@draft_t=0.5",
+    ] {
+        let config = AcceptanceConfig {
+            drafters: vec![bad.into()],
+            ..small_config(heldback())
+        };
+        let err = run_acceptance(&config, &options(&dir.path().join(bad))).unwrap_err();
+        assert!(err.to_string().contains("drafter"), "{bad}: {err}");
+    }
+}
