@@ -247,6 +247,47 @@ fn judge_backend(r: &RunResult) -> (bool, String) {
     (ok, detail)
 }
 
+/// A synthetic-acceptance run: `judge_sampled`, and the measured AL within 0.3 of the asked length.
+fn judge_synthetic(setup: &Setup, r: &RunResult, k: usize) -> (Verdict, String, f64) {
+    let (mut verdict, mut detail) = judge_sampled(setup, r, k, None);
+    let al = r.acceptance.mean_acceptance_length().unwrap_or(f64::NAN);
+    if al.is_nan() || (al - SYNTHETIC_LENGTH).abs() > 0.3 {
+        verdict = Verdict::Fail;
+        detail.push_str(&format!(
+            "; AL {al:.3} is not within 0.3 of {SYNTHETIC_LENGTH}"
+        ));
+    }
+    (verdict, detail, al)
+}
+
+/// Prints and records a sampled run on the fused backend, failed as well when its steps did not run
+/// fused (`judge_backend`).
+fn push_fused_sampled(
+    rows: &mut Vec<Row>,
+    what: String,
+    batch: usize,
+    mut verdict: Verdict,
+    detail: String,
+    r: &RunResult,
+    acceptance_length: Option<f64>,
+) {
+    let (fused_ok, backend_detail) = judge_backend(r);
+    if !fused_ok {
+        verdict = Verdict::Fail;
+    }
+    println!(
+        "  {what:<28} batch {batch}: {} {backend_detail}; {detail}",
+        verdict.label()
+    );
+    rows.push(Row {
+        what,
+        batch,
+        verdict,
+        detail: format!("{backend_detail}; {detail}"),
+        acceptance_length,
+    });
+}
+
 /// The CPU target's logits after `prompt` + `prefix`.
 fn cpu_logits(model: &Transformer, prompt: &[u32], prefix: &[u32]) -> Result<Vec<f32>> {
     let tokens: Vec<u32> = prompt.iter().chain(prefix).copied().collect();
@@ -579,14 +620,7 @@ fn main() -> Result<()> {
             MAX_RUNNING,
             DecodeBackend::Standard,
         )?;
-        let (mut verdict, mut detail) = judge_sampled(&setup, &r, k, None);
-        let al = r.acceptance.mean_acceptance_length().unwrap_or(f64::NAN);
-        if al.is_nan() || (al - SYNTHETIC_LENGTH).abs() > 0.3 {
-            verdict = Verdict::Fail;
-            detail.push_str(&format!(
-                "; AL {al:.3} is not within 0.3 of {SYNTHETIC_LENGTH}"
-            ));
-        }
+        let (verdict, detail, al) = judge_synthetic(&setup, &r, k);
         let what = format!("synthetic L={SYNTHETIC_LENGTH} dspark k={k}");
         println!("  {what:<28} {} {detail}", verdict.label());
         rows.push(Row {
@@ -653,30 +687,9 @@ fn main() -> Result<()> {
             1,
             DecodeBackend::LatencySpecialized,
         )?;
-        let (mut verdict, mut detail) = judge_sampled(&setup, &r, k, None);
-        let al = r.acceptance.mean_acceptance_length().unwrap_or(f64::NAN);
-        if al.is_nan() || (al - SYNTHETIC_LENGTH).abs() > 0.3 {
-            verdict = Verdict::Fail;
-            detail.push_str(&format!(
-                "; AL {al:.3} is not within 0.3 of {SYNTHETIC_LENGTH}"
-            ));
-        }
-        let (fused_ok, backend_detail) = judge_backend(&r);
-        if !fused_ok {
-            verdict = Verdict::Fail;
-        }
+        let (verdict, detail, al) = judge_synthetic(&setup, &r, k);
         let what = format!("fused synthetic L={SYNTHETIC_LENGTH} dspark k={k}");
-        println!(
-            "  {what:<28} batch 1: {} {backend_detail}; {detail}",
-            verdict.label()
-        );
-        rows.push(Row {
-            what,
-            batch: 1,
-            verdict,
-            detail: format!("{backend_detail}; {detail}"),
-            acceptance_length: Some(al),
-        });
+        push_fused_sampled(&mut rows, what, 1, verdict, detail, &r, Some(al));
     }
     {
         // Temperature 1, standard rule, on the fused backend, judged as (c) (the sampling and verify
@@ -702,24 +715,11 @@ fn main() -> Result<()> {
             MAX_RUNNING,
             DecodeBackend::Standard,
         )?;
-        let (mut verdict, detail) =
+        let (verdict, detail) =
             judge_sampled(&setup, &r, k, cpu_r.acceptance.mean_acceptance_length());
-        let (fused_ok, backend_detail) = judge_backend(&r);
-        if !fused_ok {
-            verdict = Verdict::Fail;
-        }
         let what = format!("fused T=1 standard dspark k={k}");
-        println!(
-            "  {what:<28} batch {MAX_RUNNING}: {} {backend_detail}; {detail}",
-            verdict.label()
-        );
-        rows.push(Row {
-            what,
-            batch: MAX_RUNNING,
-            verdict,
-            detail: format!("{backend_detail}; {detail}"),
-            acceptance_length: r.acceptance.mean_acceptance_length(),
-        });
+        let al = r.acceptance.mean_acceptance_length();
+        push_fused_sampled(&mut rows, what, MAX_RUNNING, verdict, detail, &r, al);
     }
 
     println!("\nsummary ({:.1} s):", started.elapsed().as_secs_f64());
