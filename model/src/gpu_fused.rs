@@ -623,26 +623,19 @@ impl FusedStep {
         let kernel = kernel_for(opts.ctas_per_sm)?;
         let func = module.load_function(kernel).map_err(gpu)?;
         let static_smem = func.shared_size_bytes().map_err(gpu)? as usize;
-        let smem_limit = t
-            .device
-            .ctx
-            .attribute(
-                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-            )
-            .map_err(gpu)? as usize;
+        let attribute = |a| t.device.ctx.attribute(a).map(|v| v as usize).map_err(gpu);
+        let smem_limit = attribute(
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+        )?;
         // attention_gqa's buffer (context-sized) where the standard step can use whole-row attention
         // and it fits beside the kernel's static shared memory; otherwise the fused step always runs
         // split-key attention (then it differs from the standard step for whole-row launch shapes).
         let whole_row =
             t.whole_row_attention_available() && t.attention_smem + static_smem <= smem_limit;
         // Shared memory per CTA: the per-block limit, and the SM's share when several CTAs share one.
-        let per_sm = t
-            .device
-            .ctx
-            .attribute(
-                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
-            )
-            .map_err(gpu)? as usize;
+        let per_sm = attribute(
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+        )?;
         // 1 KB per CTA is reserved by the system on sm_90.
         let budget = smem_limit.min(per_sm / opts.ctas_per_sm as usize - 1024);
         // Layout: GEMM reduction | activations or attention scratch | weight ring (plan_smem).
