@@ -14,7 +14,8 @@
 #  `tar -cJf .carry/pack/bin.tar.xz -C .carry bin`, carry .carry/pack and unpack first), then with the
 # device tool (this script is tracked, so it travels with the working tree):
 #   run(command="bash experiments/fused/run_fused_h200.sh check,bench,engine,step,e2e", carry=[".carry/bin"], timeout_s=600)
-# Parts: forward (gpu_forward_check --quick), check (gpu_fused_check --quick), check-full (without
+# Parts: forward (gpu_forward_check --quick), check (gpu_fused_check --quick: parity, then the distribution
+# test of speculative sampling through both backends), check-full (without
 # --quick), bench (gpu_fused_check --bench, with the in-kernel profile), engine (gpu_e2e_check: the
 # engine on both decode backends; needs SPECULA_DEFAULT_MODELS or the repository's models/), step
 # (`specula bench step --backends standard,latency_specialized`, llama3.2-1b), shapes (the same for
