@@ -365,6 +365,28 @@ fn judge_greedy(
     Ok((verdict, detail))
 }
 
+/// The CPU engine's AL for the same temperature-1 requests, drafter and standard rule: the reference
+/// a GPU run's AL is printed beside (sampled runs differ in their draws, so only roughly equal).
+fn cpu_standard_al(
+    setup: &Setup,
+    opts: &TargetOptions,
+    method: Method,
+    k: usize,
+    requests: &[GenerationRequest],
+) -> Result<Option<f64>> {
+    let mut drafter = setup.drafter(method, k, false)?;
+    let mut cpu = build_target(specula_engine::Device::Cpu, &setup.loaded.model, opts)?;
+    let r = run(
+        &mut *cpu,
+        &mut drafter,
+        &AcceptanceRule::Standard,
+        requests,
+        MAX_RUNNING,
+        DecodeBackend::Standard,
+    )?;
+    Ok(r.acceptance.mean_acceptance_length())
+}
+
 /// Structural checks of a sampled run: lengths, ids, acceptance consistency.
 fn judge_sampled(
     setup: &Setup,
@@ -583,18 +605,8 @@ fn main() -> Result<()> {
             MAX_RUNNING,
             DecodeBackend::Standard,
         )?;
-        let mut cpu_drafter = setup.drafter(method, k, false)?;
-        let mut cpu = build_target(specula_engine::Device::Cpu, model, &device_opts)?;
-        let cpu_r = run(
-            &mut *cpu,
-            &mut cpu_drafter,
-            &AcceptanceRule::Standard,
-            &requests,
-            MAX_RUNNING,
-            DecodeBackend::Standard,
-        )?;
-        let (verdict, detail) =
-            judge_sampled(&setup, &r, k, cpu_r.acceptance.mean_acceptance_length());
+        let cpu_al = cpu_standard_al(&setup, &device_opts, method, k, &requests)?;
+        let (verdict, detail) = judge_sampled(&setup, &r, k, cpu_al);
         let what = format!("T=1 standard {} k={k}", method.name());
         println!("  {what:<28} {} {detail}", verdict.label());
         rows.push(Row {
@@ -705,18 +717,8 @@ fn main() -> Result<()> {
             MAX_RUNNING,
             DecodeBackend::LatencySpecialized,
         )?;
-        let mut cpu_drafter = setup.drafter(Method::Dspark, k, false)?;
-        let mut cpu = build_target(specula_engine::Device::Cpu, model, &device_opts)?;
-        let cpu_r = run(
-            &mut *cpu,
-            &mut cpu_drafter,
-            &AcceptanceRule::Standard,
-            &requests,
-            MAX_RUNNING,
-            DecodeBackend::Standard,
-        )?;
-        let (verdict, detail) =
-            judge_sampled(&setup, &r, k, cpu_r.acceptance.mean_acceptance_length());
+        let cpu_al = cpu_standard_al(&setup, &device_opts, Method::Dspark, k, &requests)?;
+        let (verdict, detail) = judge_sampled(&setup, &r, k, cpu_al);
         let what = format!("fused T=1 standard dspark k={k}");
         let al = r.acceptance.mean_acceptance_length();
         push_fused_sampled(&mut rows, what, MAX_RUNNING, verdict, detail, &r, al);
