@@ -605,42 +605,34 @@ __device__ __noinline__ void fused_gemm_ring(const FusedParams& p, FusedProducer
             const int row_stride = fused_chunk_row_stride(g.K, width, cw, q.whole_tiles && !q.ldgsts);
             // Warp w takes the 32-column sub-chunks w, w + 8, ...; HG of them at a time, their activation
             // loads issued together (one L2 round trip per group when the activations are not staged).
-            // Each activation fragment serves every tile of the group.
             constexpr int HG = NT >= 4 ? 1 : 4 / NT;
-            for (int h0 = 0; 8 * h0 * 32 < width; h0 += HG) {
-                uint4 b[HG][PASSES][NT];
-                bool ok[HG];
-                int kl[HG];
-#pragma unroll
-                for (int j = 0; j < HG; ++j) {
-                    const int sc = warp + 8 * (h0 + j);
-                    ok[j] = sc * 32 < width;
-                    kl[j] = sc * 32 + t * 8;
-#pragma unroll
-                    for (int ps = 0; ps < PASSES; ++ps) {
-#pragma unroll
-                        for (int nt = 0; nt < NT; ++nt) {
-                            const int m = ps * 64 + nt * 8 + gq;
-                            if (!ok[j] || m >= g.M) {
-                                b[j][ps][nt] = zero;
-                            } else if (staged) {
-                                b[j][ps][nt] =
-                                    *reinterpret_cast<const uint4*>(xs_buf + (size_t)m * xs_stride + (k0 + kl[j]) * 2);
-                            } else {
-                                b[j][ps][nt] = load_coherent_16(g.x + (size_t)m * g.K + k0 + kl[j]);
-                            }
-                        }
-                    }
-                }
-#pragma unroll
-                for (int ti = 0; ti < GT; ++ti) {
-                    if (ti >= ntiles) break;
-                    const unsigned char* wt = st + (size_t)(16 * ti) * row_stride;
-                    uint4 a_lo[HG], a_hi[HG];
+            if constexpr (GT == 1) {
+                // One tile per chunk: v1e's loop as it was (its code shape matters at 1-16 rows, where
+                // every phase is latency-bound; NOTES v0.12).
+                for (int h0 = 0; 8 * h0 * 32 < width; h0 += HG) {
+                    uint4 a_lo[HG], a_hi[HG], b[HG][PASSES][NT];
 #pragma unroll
                     for (int j = 0; j < HG; ++j) {
-                        a_lo[j] = ok[j] ? *reinterpret_cast<const uint4*>(wt + gq * row_stride + kl[j] * 2) : zero;
-                        a_hi[j] = ok[j] ? *reinterpret_cast<const uint4*>(wt + (gq + 8) * row_stride + kl[j] * 2) : zero;
+                        const int sc = warp + 8 * (h0 + j);
+                        const bool ok = sc * 32 < width;
+                        const int kl = sc * 32 + t * 8;
+                        a_lo[j] = ok ? *reinterpret_cast<const uint4*>(st + gq * row_stride + kl * 2) : zero;
+                        a_hi[j] = ok ? *reinterpret_cast<const uint4*>(st + (gq + 8) * row_stride + kl * 2) : zero;
+#pragma unroll
+                        for (int ps = 0; ps < PASSES; ++ps) {
+#pragma unroll
+                            for (int nt = 0; nt < NT; ++nt) {
+                                const int m = ps * 64 + nt * 8 + gq;
+                                if (!ok || m >= g.M) {
+                                    b[j][ps][nt] = zero;
+                                } else if (staged) {
+                                    b[j][ps][nt] = *reinterpret_cast<const uint4*>(xs_buf + (size_t)m * xs_stride +
+                                                                                   (k0 + kl) * 2);
+                                } else {
+                                    b[j][ps][nt] = load_coherent_16(g.x + (size_t)m * g.K + k0 + kl);
+                                }
+                            }
+                        }
                     }
 #pragma unroll
                     for (int j = 0; j < HG; ++j) {
@@ -648,10 +640,62 @@ __device__ __noinline__ void fused_gemm_ring(const FusedParams& p, FusedProducer
                         for (int ps = 0; ps < PASSES; ++ps) {
 #pragma unroll
                             for (int nt = 0; nt < NT; ++nt) {
-                                mma_bf16_16816(c[ti][ps][nt], a_lo[j].x, a_hi[j].x, a_lo[j].y, a_hi[j].y,
+                                mma_bf16_16816(c[0][ps][nt], a_lo[j].x, a_hi[j].x, a_lo[j].y, a_hi[j].y,
                                                b[j][ps][nt].x, b[j][ps][nt].y);
-                                mma_bf16_16816(c[ti][ps][nt], a_lo[j].z, a_hi[j].z, a_lo[j].w, a_hi[j].w,
+                                mma_bf16_16816(c[0][ps][nt], a_lo[j].z, a_hi[j].z, a_lo[j].w, a_hi[j].w,
                                                b[j][ps][nt].z, b[j][ps][nt].w);
+                            }
+                        }
+                    }
+                }
+            } else {
+                // A tile group: each activation fragment serves every tile of the group.
+                for (int h0 = 0; 8 * h0 * 32 < width; h0 += HG) {
+                    uint4 b[HG][PASSES][NT];
+                    bool ok[HG];
+                    int kl[HG];
+#pragma unroll
+                    for (int j = 0; j < HG; ++j) {
+                        const int sc = warp + 8 * (h0 + j);
+                        ok[j] = sc * 32 < width;
+                        kl[j] = sc * 32 + t * 8;
+#pragma unroll
+                        for (int ps = 0; ps < PASSES; ++ps) {
+#pragma unroll
+                            for (int nt = 0; nt < NT; ++nt) {
+                                const int m = ps * 64 + nt * 8 + gq;
+                                if (!ok[j] || m >= g.M) {
+                                    b[j][ps][nt] = zero;
+                                } else if (staged) {
+                                    b[j][ps][nt] =
+                                        *reinterpret_cast<const uint4*>(xs_buf + (size_t)m * xs_stride + (k0 + kl[j]) * 2);
+                                } else {
+                                    b[j][ps][nt] = load_coherent_16(g.x + (size_t)m * g.K + k0 + kl[j]);
+                                }
+                            }
+                        }
+                    }
+#pragma unroll
+                    for (int ti = 0; ti < GT; ++ti) {
+                        if (ti >= ntiles) break;
+                        const unsigned char* wt = st + (size_t)(16 * ti) * row_stride;
+                        uint4 a_lo[HG], a_hi[HG];
+#pragma unroll
+                        for (int j = 0; j < HG; ++j) {
+                            a_lo[j] = ok[j] ? *reinterpret_cast<const uint4*>(wt + gq * row_stride + kl[j] * 2) : zero;
+                            a_hi[j] = ok[j] ? *reinterpret_cast<const uint4*>(wt + (gq + 8) * row_stride + kl[j] * 2) : zero;
+                        }
+#pragma unroll
+                        for (int j = 0; j < HG; ++j) {
+#pragma unroll
+                            for (int ps = 0; ps < PASSES; ++ps) {
+#pragma unroll
+                                for (int nt = 0; nt < NT; ++nt) {
+                                    mma_bf16_16816(c[ti][ps][nt], a_lo[j].x, a_hi[j].x, a_lo[j].y, a_hi[j].y,
+                                                   b[j][ps][nt].x, b[j][ps][nt].y);
+                                    mma_bf16_16816(c[ti][ps][nt], a_lo[j].z, a_hi[j].z, a_lo[j].w, a_hi[j].w,
+                                                   b[j][ps][nt].z, b[j][ps][nt].w);
+                                }
                             }
                         }
                     }

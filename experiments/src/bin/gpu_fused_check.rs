@@ -39,7 +39,9 @@
 //!
 //! cargo build --release -p specula-experiments --features cuda --bin gpu_fused_check
 //! Usage: gpu_fused_check [--quick] [--no-cooperative]
-//!        gpu_fused_check --bench [--context N] [--samples N] [--no-tune] [--seed N] [--no-cooperative]
+//!        gpu_fused_check --bench [--context N] [--samples N] [--no-tune] [--seed N] [--no-cooperative] [--short]
+//! (`--short`: only standard, fused and the tile-group caps, no profile; with SPECULA_FUSED_STEP_CU set
+//! to another fused_step.cu, an A/B of kernel versions in one device call.)
 
 #[path = "../../../verifier/tests/common/mod.rs"]
 mod common;
@@ -770,6 +772,9 @@ struct BenchArgs {
     samples: usize,
     tune: bool,
     seed: u64,
+    /// Only the standard step, the fused step and its tile-group caps; no profile (A/B runs of
+    /// kernel versions through SPECULA_FUSED_STEP_CU).
+    short: bool,
 }
 
 struct Variant {
@@ -814,7 +819,7 @@ fn bench(args: BenchArgs) -> Result<()> {
         cooperative: args.cooperative,
         ..Default::default()
     };
-    let variants = [
+    let all_variants = [
         Variant {
             name: "standard",
             backend: StepBackend::Standard,
@@ -882,6 +887,22 @@ fn bench(args: BenchArgs) -> Result<()> {
             },
         },
     ];
+    let short = [
+        "standard",
+        "fused",
+        "fused, tile groups <= 2",
+        "fused, one tile per chunk",
+    ];
+    let variants: Vec<&Variant> = all_variants
+        .iter()
+        .filter(|v| !args.short || short.contains(&v.name))
+        .collect();
+    if let Ok(path) = std::env::var(specula_kernels::cuda::FUSED_SOURCE_ENV) {
+        println!(
+            "fused kernel source: {path} ({} set)",
+            specula_kernels::cuda::FUSED_SOURCE_ENV
+        );
+    }
     let vocab = config.vocab_size;
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
     // (b, t, per variant (median, p90), fused vs standard logits)
@@ -958,7 +979,7 @@ fn bench(args: BenchArgs) -> Result<()> {
             );
             table.push((b, t, times, diff));
             // Where the fused step's time goes: one profiled step (per-CTA cycle counters).
-            if [(1, 1), (1, 8), (8, 8)].contains(&(b, t)) {
+            if !args.short && [(1, 1), (1, 8), (8, 8)].contains(&(b, t)) {
                 gpu.set_step_backend(StepBackend::LatencySpecialized)?;
                 gpu.set_fused_options(FusedOptions {
                     mode: FusedMode::Profile,
@@ -1067,6 +1088,7 @@ fn main() -> Result<()> {
             tune: !args.iter().any(|a| a == "--no-tune"),
             seed: value("--seed")?.unwrap_or(7),
             cooperative,
+            short: args.iter().any(|a| a == "--short"),
         });
     }
     check(args.iter().any(|a| a == "--quick"), cooperative)

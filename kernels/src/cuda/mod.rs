@@ -42,6 +42,12 @@ pub const KERNEL_SOURCES: &[(&str, &str)] = &[
     ),
 ];
 
+/// Development knob for A/B runs of fused-step versions in one device call (a GPU machine has no
+/// cargo, so the versions cannot be rebuilt there): when set to a file, that file replaces
+/// `kernels/cuda/fused_step.cu` in the fused program (still appended to the embedded decoder.cu).
+/// The host side stays this build's, so only versions with the same parameter layout can be swapped.
+pub const FUSED_SOURCE_ENV: &str = "SPECULA_FUSED_STEP_CU";
+
 /// The kernels each source must export, by file name (the compile test checks every one).
 pub const EXPORTED_KERNELS: &[(&str, &[&str])] = &[
     ("decoder.cu", DECODER_KERNELS),
@@ -171,11 +177,31 @@ fn compile_uncached(file: &str, arch: &str) -> Result<Ptx, CudaError> {
         return Err(CudaError::NoNvrtc);
     }
     let arch = arch_name(arch)?;
-    let src = KERNEL_SOURCES
+    let embedded = KERNEL_SOURCES
         .iter()
         .find(|(name, _)| *name == file)
         .map(|(_, src)| *src)
         .ok_or_else(|| CudaError::Shape(format!("no kernel source named {file}")))?;
+    let overridden = match std::env::var_os(FUSED_SOURCE_ENV) {
+        Some(path) if file == "fused_step.cu" => {
+            let fused = std::fs::read_to_string(&path).map_err(|e| {
+                CudaError::Shape(format!(
+                    "{FUSED_SOURCE_ENV}={}: {e}",
+                    path.to_string_lossy()
+                ))
+            })?;
+            tracing::warn!(
+                "{FUSED_SOURCE_ENV}: fused_step.cu replaced by {}",
+                path.to_string_lossy()
+            );
+            Some(format!(
+                "{}\n{fused}",
+                include_str!("../../cuda/decoder.cu")
+            ))
+        }
+        _ => None,
+    };
+    let src = overridden.as_deref().unwrap_or(embedded);
     let opts = CompileOptions {
         arch: Some(arch),
         // Keep IEEE division/sqrt and no FMA contraction surprises beyond what the source asks:
