@@ -141,7 +141,7 @@ static_assert(sizeof(FusedParams) == 20 * 8 + 16 * 4, "FusedParams must match gp
 #define FUSED_SKIP_WORK 1
 #define FUSED_SKIP_ATTENTION 2
 #define FUSED_WHOLE_ROW_ATTENTION 4
-// A chunk that spans whole rows (its columns >= K) is ONE bulk copy of the tile's 16 contiguous rows, landing
+// A chunk that spans whole rows (chunk_k >= K) is ONE bulk copy of the tile's 16 contiguous rows, landing
 // unpadded (row stride 2 K: two-way bank conflicts on the fragment loads) instead of 16 row copies. The
 // ring's rate improved with fewer, larger copies (NOTES v0.7; this one: 5% at 1 x 1). On by default
 // (gpu_fused.rs FusedOptions::whole_tile_copies).
@@ -155,10 +155,6 @@ static_assert(sizeof(FusedParams) == 20 * 8 + 16 * 4, "FusedParams must match gp
 // group per chunk, `cp.async.wait_group` before use) instead of the TMA engine: an A/B for the measured
 // ~12 GB/s per SM of the bulk-copy ring (NOTES v0.7). Rows always land padded (fused_row_stride).
 #define FUSED_LDGSTS 32
-// Caps on the tiles per chunk (the tile groups below; gpu_fused.rs FusedOptions::tile_group_cap): at most
-// one (every chunk one 16-row tile, v1e's ring) or two. The outputs are bit-identical whatever the cap.
-#define FUSED_ONE_TILE_CHUNKS 64
-#define FUSED_TWO_TILE_CHUNKS 128
 #define FUSED_PROF_SLOTS 32
 __shared__ unsigned long long fused_prof[FUSED_PROF_SLOTS];
 __shared__ int fused_prof_on;
@@ -178,33 +174,12 @@ __device__ __forceinline__ void fused_prof_add(int slot, long long t0) {
 // rotates, attends or waits at a barrier, the next GEMM phase's first chunks are already landing (the
 // weights never depend on the step's activations). Phases that read no weights consume nothing.
 //
-// Row segments land fused_row_stride bytes apart (2 cw + 64 for cw columns): 16-byte fragment loads of two
-// rows in one quarter-warp then hit disjoint banks.
-//
-// Tile groups (v1f). With more than 16 activation rows, one tile per chunk makes the activations the
-// larger stream: each 16-row weight tile re-reads all M activation rows over its K columns (at 64 rows
-// 4x the tile's own weight bytes, from L2 when they do not fit in shared memory: the 4 x 8 and 8 x 8
-// steps ran at 0.34x and 0.22x of the standard step, NOTES v0.8). So a chunk then holds a GROUP of up
-// to G consecutive tiles (16 G weight rows) over chunk_k / G columns -- the same bytes per slot -- and
-// every activation fragment a warp loads is used for all G tiles. G = 1 up to 16 rows, 4 up to 64, 2
-// beyond (two 64-row passes: the accumulators of 2 tiles x 2 passes), at most the kernel's register
-// cap (fused_forward 4, fused_forward_x2 1) and such that chunk_k / G stays a multiple of 256. Each
-// tile still sums its K columns in the same order (warp w: the 32-column sub-chunks w, w + 8, ... of
-// the row, whatever the chunk width) and reduces its warps in the same order, so its outputs are
-// bit-identical to one tile per chunk (gpu_fused_check --bench checks it).
+// Row segments land fused_row_stride bytes apart (2 chunk_k + 64): 16-byte fragment loads of two rows in one
+// quarter-warp then hit disjoint banks.
 #define FUSED_XS_PAD 64
-#define FUSED_MAX_GROUP 4
-// Row stride for chunks of `cw` columns (a multiple of 256), and the slot size for chunk_k: 16 G rows of
-// chunk_k / G columns, padded, at most 16 rows of 2 chunk_k + 64 FUSED_MAX_GROUP bytes.
-__device__ __forceinline__ int fused_row_stride(int cw) { return cw * 2 + 64; }
-__device__ __forceinline__ int fused_stage_bytes(int chunk_k) { return 16 * (chunk_k * 2 + 64 * FUSED_MAX_GROUP); }
-// Tiles per chunk for a phase of M activation rows (see above); `cap` 1 .. FUSED_MAX_GROUP.
-__device__ __forceinline__ int fused_tile_group(int M, int chunk_k, int cap) {
-    int g = M <= 16 ? 1 : (M <= 64 ? 4 : 2);
-    g = min(g, cap);
-    while (g > 1 && chunk_k % (256 * g) != 0) g >>= 1;
-    return g;
-}
+// Row stride and slot size for chunks of `chunk_k` columns (a multiple of 256).
+__device__ __forceinline__ int fused_row_stride(int chunk_k) { return chunk_k * 2 + 64; }
+__device__ __forceinline__ int fused_stage_bytes(int chunk_k) { return 16 * fused_row_stride(chunk_k); }
 #define FUSED_MAX_RING 16
 // A CTA waiting longer than this many polls for a chunk traps (a transaction count that never completes).
 #define FUSED_RING_SPIN_LIMIT (1u << 26)
@@ -357,9 +332,7 @@ __device__ __forceinline__ void fused_tile_range(int N, int* t0, int* t1) {
 // Warp 0's position in the chunk sequence (what it copies next; the same in each of its lanes).
 struct FusedProducer {
     int phase, phases;  // current phase; phases in the sequence (4 L, + 1 with logits rows)
-    int tile, t1, kc, kchunks, N, K;  // tile: the first tile of the current group
-    int group, cw;                    // tiles per chunk and columns per chunk in this phase
-    int rows, n_logits, gcap;         // activation rows of the layer phases / of the LM head; group cap
+    int tile, t1, kc, kchunks, N, K;
     const unsigned short* w;
     unsigned int issued;  // chunks copied so far (slot = issued % stages)
     bool whole_tiles;     // FUSED_WHOLE_TILE_COPIES
@@ -367,8 +340,8 @@ struct FusedProducer {
 };
 
 // Bytes between consecutive weight rows of a chunk in its slot.
-__device__ __forceinline__ int fused_chunk_row_stride(int K, int width, int cw, bool whole_tiles) {
-    return whole_tiles && width == K ? 2 * K : fused_row_stride(cw);
+__device__ __forceinline__ int fused_chunk_row_stride(int K, int width, int chunk_k, bool whole_tiles) {
+    return whole_tiles && width == K ? 2 * K : fused_row_stride(chunk_k);
 }
 
 
@@ -378,25 +351,22 @@ __device__ void fused_producer_seek(const FusedParams& p, FusedProducer& q, int 
         fused_phase_matrix(p, q.phase, &q.w, &q.N, &q.K);
         fused_tile_range(q.N, &q.tile, &q.t1);
         q.kc = 0;
-        q.group = fused_tile_group(q.phase >= 4 * p.n_layers ? q.n_logits : q.rows, p.chunk_k, q.gcap);
-        q.cw = p.chunk_k / q.group;
-        q.kchunks = (q.K + q.cw - 1) / q.cw;
+        q.kchunks = (q.K + p.chunk_k - 1) / p.chunk_k;
         if (q.tile < q.t1) return;
     }
 }
 
-// The cursor past the chunk just issued: next column chunk, next tile group, or the next phase with tiles.
+// The cursor past the chunk just issued: next column chunk, next tile, or the next phase with tiles.
 __device__ void fused_producer_advance(const FusedParams& p, FusedProducer& q) {
     ++q.issued;
     if (++q.kc == q.kchunks) {
         q.kc = 0;
-        q.tile += q.group;
-        if (q.tile >= q.t1) fused_producer_seek(p, q, q.phase + 1);
+        if (++q.tile == q.t1) fused_producer_seek(p, q, q.phase + 1);
     }
 }
 
 // Where the producer's next chunk goes and what it holds: slot, destination, first column, columns,
-// first weight row, rows (16 per tile of the group; the last tile of a matrix may have fewer).
+// first weight row, rows (the last tile of a matrix may have fewer than 16).
 struct FusedChunk {
     int slot;
     unsigned char* dst;
@@ -408,16 +378,15 @@ __device__ __forceinline__ FusedChunk fused_next_chunk(const FusedParams& p, con
     FusedChunk c;
     c.slot = (int)(q.issued % (unsigned)stages);
     c.dst = ring + (size_t)c.slot * fused_stage_bytes(p.chunk_k);
-    c.k0 = q.kc * q.cw;
-    c.width = min(q.cw, q.K - c.k0);
+    c.k0 = q.kc * p.chunk_k;
+    c.width = min(p.chunk_k, q.K - c.k0);
     c.r0 = q.tile * 16;
-    c.rows = min(16 * min(q.group, q.t1 - q.tile), q.N - c.r0);
+    c.rows = min(16, q.N - c.r0);
     return c;
 }
 
 // Copies the next chunk of the sequence into its slot; nothing past the end. Called by all 32 lanes of
-// warp 0, which keep identical cursors: lane 0 sets the slot's transaction count, lane i copies rows
-// i, i + 32.
+// warp 0, which keep identical cursors: lane 0 sets the slot's transaction count, lane i copies row i.
 __device__ void fused_producer_issue(const FusedParams& p, FusedProducer& q, unsigned char* ring,
                                      unsigned long long* bars, int stages) {
     if (q.phase >= q.phases) return;
@@ -430,14 +399,11 @@ __device__ void fused_producer_issue(const FusedParams& p, FusedProducer& q, uns
     if (lane == 0) fused_mbar_expect(&bars[c.slot], bytes * (unsigned)c.rows);
     __syncwarp();
     if (q.whole_tiles && c.width == q.K) {
-        // The group's rows are contiguous in memory: one copy (16 G rows x 2 K <= 16 x 2 chunk_k bytes, within
-        // the slot).
+        // The tile's rows are contiguous in memory: one copy (<= 16 x 2 chunk_k bytes, within the slot).
         if (lane == 0) fused_bulk_copy(c.dst, q.w + (size_t)c.r0 * q.K, bytes * (unsigned)c.rows, &bars[c.slot]);
-    } else {
-        for (int r = lane; r < c.rows; r += 32) {
-            fused_bulk_copy(c.dst + r * fused_row_stride(q.cw), q.w + (size_t)(c.r0 + r) * q.K + c.k0, bytes,
-                            &bars[c.slot]);
-        }
+    } else if (lane < c.rows) {
+        fused_bulk_copy(c.dst + lane * fused_row_stride(p.chunk_k), q.w + (size_t)(c.r0 + lane) * q.K + c.k0, bytes,
+                        &bars[c.slot]);
     }
     fused_producer_advance(p, q);
 }
@@ -450,7 +416,7 @@ __device__ void fused_producer_issue_ldgsts(const FusedParams& p, FusedProducer&
     if (q.phase < q.phases) {
         const FusedChunk ch = fused_next_chunk(p, q, ring, stages);
         const int per_row = ch.width / 8;  // 16-byte pieces
-        const int rs = fused_row_stride(q.cw);
+        const int rs = fused_row_stride(p.chunk_k);
         for (int i = threadIdx.x; i < ch.rows * per_row; i += blockDim.x) {
             const int r = i / per_row, c = i % per_row;
             fused_cp_async_16(ch.dst + r * rs + c * 16, q.w + (size_t)(ch.r0 + r) * q.K + ch.k0 + c * 8);
@@ -532,9 +498,7 @@ __device__ __forceinline__ void fused_tile_out(const FusedGemm& g, float (&c)[NT
 
 // One GEMM phase over the ring. NT = 8-row activation blocks per pass (M <= 8 NT, NT <= 8); more than 64
 // rows take two passes over each chunk (rows 0..63, then 64..), accumulators for both kept in registers.
-// GT = the most tiles per chunk this instantiation holds accumulators for (the group actually used,
-// fused_tile_group, is at most GT).
-template <int NT, int PASSES, int GT>
+template <int NT, int PASSES>
 __device__ __noinline__ void fused_gemm_ring(const FusedParams& p, FusedProducer& q, FusedRing& ring,
                                              const FusedGemm& g, float* red, unsigned char* xs_buf,
                                              const FusedTaps* taps, int layer) {
@@ -546,10 +510,7 @@ __device__ __noinline__ void fused_gemm_ring(const FusedParams& p, FusedProducer
     int t0, t1;
     fused_tile_range(g.N, &t0, &t1);
     const int chunk_k = p.chunk_k;
-    // The producer's grouping of this phase (fused_producer_seek computes the same from the same M).
-    const int group = min(fused_tile_group(g.M, chunk_k, q.gcap), GT);
-    const int cw = chunk_k / group;
-    const int kchunks = (g.K + cw - 1) / cw;
+    const int kchunks = (g.K + chunk_k - 1) / chunk_k;
     uint4 zero;
     zero.x = zero.y = zero.z = zero.w = 0u;
     // The activations, once per phase, into shared memory when they fit (rows FUSED_XS_PAD bytes apart
@@ -579,15 +540,12 @@ __device__ __noinline__ void fused_gemm_ring(const FusedParams& p, FusedProducer
         __syncthreads();
     }
     fused_prof_add(22, t_stage);
-    for (int tile = t0; tile < t1; tile += group) {
-        const int ntiles = min(group, t1 - tile);  // tiles in this group
-        float c[GT][PASSES][NT][4];
+    for (int tile = t0; tile < t1; ++tile) {
+        float c[PASSES][NT][4];
 #pragma unroll
-        for (int ti = 0; ti < GT; ++ti)
+        for (int ps = 0; ps < PASSES; ++ps)
 #pragma unroll
-            for (int ps = 0; ps < PASSES; ++ps)
-#pragma unroll
-                for (int i = 0; i < NT; ++i) c[ti][ps][i][0] = c[ti][ps][i][1] = c[ti][ps][i][2] = c[ti][ps][i][3] = 0.0f;
+            for (int i = 0; i < NT; ++i) c[ps][i][0] = c[ps][i][1] = c[ps][i][2] = c[ps][i][3] = 0.0f;
         for (int kc = 0; kc < kchunks; ++kc) {
             const int slot = (int)(ring.consumed % (unsigned)ring.stages);
             const unsigned int parity = (ring.consumed / (unsigned)ring.stages) & 1u;
@@ -600,103 +558,47 @@ __device__ __noinline__ void fused_gemm_ring(const FusedParams& p, FusedProducer
             }
             fused_prof_add(20, t_wait);
             const unsigned char* st = ring.slots + (size_t)slot * fused_stage_bytes(chunk_k);
-            const int k0 = kc * cw;
-            const int width = min(cw, g.K - k0);
-            const int row_stride = fused_chunk_row_stride(g.K, width, cw, q.whole_tiles && !q.ldgsts);
+            const int k0 = kc * chunk_k;
+            const int width = min(chunk_k, g.K - k0);
+            const int row_stride = fused_chunk_row_stride(g.K, width, chunk_k, q.whole_tiles && !q.ldgsts);
             // Warp w takes the 32-column sub-chunks w, w + 8, ...; HG of them at a time, their activation
             // loads issued together (one L2 round trip per group when the activations are not staged).
             constexpr int HG = NT >= 4 ? 1 : 4 / NT;
-            if constexpr (GT == 1) {
-                // One tile per chunk: v1e's loop as it was (its code shape matters at 1-16 rows, where
-                // every phase is latency-bound; NOTES v0.12).
-                for (int h0 = 0; 8 * h0 * 32 < width; h0 += HG) {
-                    uint4 a_lo[HG], a_hi[HG], b[HG][PASSES][NT];
+            for (int h0 = 0; 8 * h0 * 32 < width; h0 += HG) {
+                uint4 a_lo[HG], a_hi[HG], b[HG][PASSES][NT];
 #pragma unroll
-                    for (int j = 0; j < HG; ++j) {
-                        const int sc = warp + 8 * (h0 + j);
-                        const bool ok = sc * 32 < width;
-                        const int kl = sc * 32 + t * 8;
-                        a_lo[j] = ok ? *reinterpret_cast<const uint4*>(st + gq * row_stride + kl * 2) : zero;
-                        a_hi[j] = ok ? *reinterpret_cast<const uint4*>(st + (gq + 8) * row_stride + kl * 2) : zero;
+                for (int j = 0; j < HG; ++j) {
+                    const int sc = warp + 8 * (h0 + j);
+                    const bool ok = sc * 32 < width;
+                    const int kl = sc * 32 + t * 8;
+                    a_lo[j] = ok ? *reinterpret_cast<const uint4*>(st + gq * row_stride + kl * 2) : zero;
+                    a_hi[j] = ok ? *reinterpret_cast<const uint4*>(st + (gq + 8) * row_stride + kl * 2) : zero;
 #pragma unroll
-                        for (int ps = 0; ps < PASSES; ++ps) {
+                    for (int ps = 0; ps < PASSES; ++ps) {
 #pragma unroll
-                            for (int nt = 0; nt < NT; ++nt) {
-                                const int m = ps * 64 + nt * 8 + gq;
-                                if (!ok || m >= g.M) {
-                                    b[j][ps][nt] = zero;
-                                } else if (staged) {
-                                    b[j][ps][nt] = *reinterpret_cast<const uint4*>(xs_buf + (size_t)m * xs_stride +
-                                                                                   (k0 + kl) * 2);
-                                } else {
-                                    b[j][ps][nt] = load_coherent_16(g.x + (size_t)m * g.K + k0 + kl);
-                                }
-                            }
-                        }
-                    }
-#pragma unroll
-                    for (int j = 0; j < HG; ++j) {
-#pragma unroll
-                        for (int ps = 0; ps < PASSES; ++ps) {
-#pragma unroll
-                            for (int nt = 0; nt < NT; ++nt) {
-                                mma_bf16_16816(c[0][ps][nt], a_lo[j].x, a_hi[j].x, a_lo[j].y, a_hi[j].y,
-                                               b[j][ps][nt].x, b[j][ps][nt].y);
-                                mma_bf16_16816(c[0][ps][nt], a_lo[j].z, a_hi[j].z, a_lo[j].w, a_hi[j].w,
-                                               b[j][ps][nt].z, b[j][ps][nt].w);
+                        for (int nt = 0; nt < NT; ++nt) {
+                            const int m = ps * 64 + nt * 8 + gq;
+                            if (!ok || m >= g.M) {
+                                b[j][ps][nt] = zero;
+                            } else if (staged) {
+                                b[j][ps][nt] =
+                                    *reinterpret_cast<const uint4*>(xs_buf + (size_t)m * xs_stride + (k0 + kl) * 2);
+                            } else {
+                                b[j][ps][nt] = load_coherent_16(g.x + (size_t)m * g.K + k0 + kl);
                             }
                         }
                     }
                 }
-            } else {
-                // A tile group: each activation fragment serves every tile of the group.
-                for (int h0 = 0; 8 * h0 * 32 < width; h0 += HG) {
-                    uint4 b[HG][PASSES][NT];
-                    bool ok[HG];
-                    int kl[HG];
 #pragma unroll
-                    for (int j = 0; j < HG; ++j) {
-                        const int sc = warp + 8 * (h0 + j);
-                        ok[j] = sc * 32 < width;
-                        kl[j] = sc * 32 + t * 8;
+                for (int j = 0; j < HG; ++j) {
 #pragma unroll
-                        for (int ps = 0; ps < PASSES; ++ps) {
+                    for (int ps = 0; ps < PASSES; ++ps) {
 #pragma unroll
-                            for (int nt = 0; nt < NT; ++nt) {
-                                const int m = ps * 64 + nt * 8 + gq;
-                                if (!ok[j] || m >= g.M) {
-                                    b[j][ps][nt] = zero;
-                                } else if (staged) {
-                                    b[j][ps][nt] =
-                                        *reinterpret_cast<const uint4*>(xs_buf + (size_t)m * xs_stride + (k0 + kl[j]) * 2);
-                                } else {
-                                    b[j][ps][nt] = load_coherent_16(g.x + (size_t)m * g.K + k0 + kl[j]);
-                                }
-                            }
-                        }
-                    }
-#pragma unroll
-                    for (int ti = 0; ti < GT; ++ti) {
-                        if (ti >= ntiles) break;
-                        const unsigned char* wt = st + (size_t)(16 * ti) * row_stride;
-                        uint4 a_lo[HG], a_hi[HG];
-#pragma unroll
-                        for (int j = 0; j < HG; ++j) {
-                            a_lo[j] = ok[j] ? *reinterpret_cast<const uint4*>(wt + gq * row_stride + kl[j] * 2) : zero;
-                            a_hi[j] = ok[j] ? *reinterpret_cast<const uint4*>(wt + (gq + 8) * row_stride + kl[j] * 2) : zero;
-                        }
-#pragma unroll
-                        for (int j = 0; j < HG; ++j) {
-#pragma unroll
-                            for (int ps = 0; ps < PASSES; ++ps) {
-#pragma unroll
-                                for (int nt = 0; nt < NT; ++nt) {
-                                    mma_bf16_16816(c[ti][ps][nt], a_lo[j].x, a_hi[j].x, a_lo[j].y, a_hi[j].y,
-                                                   b[j][ps][nt].x, b[j][ps][nt].y);
-                                    mma_bf16_16816(c[ti][ps][nt], a_lo[j].z, a_hi[j].z, a_lo[j].w, a_hi[j].w,
-                                                   b[j][ps][nt].z, b[j][ps][nt].w);
-                                }
-                            }
+                        for (int nt = 0; nt < NT; ++nt) {
+                            mma_bf16_16816(c[ps][nt], a_lo[j].x, a_hi[j].x, a_lo[j].y, a_hi[j].y, b[j][ps][nt].x,
+                                           b[j][ps][nt].y);
+                            mma_bf16_16816(c[ps][nt], a_lo[j].z, a_hi[j].z, a_lo[j].w, a_hi[j].w, b[j][ps][nt].z,
+                                           b[j][ps][nt].w);
                         }
                     }
                 }
@@ -711,35 +613,25 @@ __device__ __noinline__ void fused_gemm_ring(const FusedParams& p, FusedProducer
         }
         const long long t_out = clock64();
 #pragma unroll
-        for (int ti = 0; ti < GT; ++ti) {
-            if (ti >= ntiles) break;
-#pragma unroll
-            for (int ps = 0; ps < PASSES; ++ps) {
-                fused_tile_out<NT>(g, c[ti][ps], ps * 64, tile + ti, red, taps, tapped, layer);
-            }
-        }
+        for (int ps = 0; ps < PASSES; ++ps) fused_tile_out<NT>(g, c[ps], ps * 64, tile, red, taps, tapped, layer);
         fused_prof_add(21, t_out);
     }
     if (staged) __syncthreads();  // xs_buf is the attention scratch of the next phase
 }
 
-// GCAP: the kernel's tile-group cap (its register budget), FUSED_MAX_GROUP or 1.
-template <int GCAP>
 __device__ __forceinline__ void fused_gemm_phase(const FusedParams& p, FusedProducer& q, FusedRing& ring,
                                                  const FusedGemm& g, float* red, unsigned char* xs_buf,
                                                  const FusedTaps* taps, int layer) {
-    constexpr int G4 = GCAP < 4 ? GCAP : 4;
-    constexpr int G2 = GCAP < 2 ? GCAP : 2;
     if (g.M <= 8) {
-        fused_gemm_ring<1, 1, 1>(p, q, ring, g, red, xs_buf, taps, layer);
+        fused_gemm_ring<1, 1>(p, q, ring, g, red, xs_buf, taps, layer);
     } else if (g.M <= 16) {
-        fused_gemm_ring<2, 1, 1>(p, q, ring, g, red, xs_buf, taps, layer);
+        fused_gemm_ring<2, 1>(p, q, ring, g, red, xs_buf, taps, layer);
     } else if (g.M <= 32) {
-        fused_gemm_ring<4, 1, G4>(p, q, ring, g, red, xs_buf, taps, layer);
+        fused_gemm_ring<4, 1>(p, q, ring, g, red, xs_buf, taps, layer);
     } else if (g.M <= 64) {
-        fused_gemm_ring<8, 1, G4>(p, q, ring, g, red, xs_buf, taps, layer);
+        fused_gemm_ring<8, 1>(p, q, ring, g, red, xs_buf, taps, layer);
     } else {
-        fused_gemm_ring<8, 2, G2>(p, q, ring, g, red, xs_buf, taps, layer);
+        fused_gemm_ring<8, 2>(p, q, ring, g, red, xs_buf, taps, layer);
     }
 }
 
@@ -878,9 +770,7 @@ __device__ __noinline__ void fused_attention_phase(const FusedParams& p, const F
 }
 
 // ---------------------------------------------------------------------------------------------------
-// The kernel body; the entry points below differ only in their register budget (CTAs per SM) and so in
-// their tile-group cap GCAP.
-template <int GCAP>
+// The kernel body; the entry points below differ only in their register budget (CTAs per SM).
 __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict__ params, int rows, int n_logits,
                                                    int flags, const FusedTaps& taps) {
     extern __shared__ __align__(128) unsigned char fused_dyn[];
@@ -908,9 +798,6 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
     FusedProducer q;
     q.phases = 4 * p.n_layers + (n_logits > 0 ? 1 : 0);
     q.issued = 0;
-    q.rows = rows;
-    q.n_logits = n_logits;
-    q.gcap = (flags & FUSED_ONE_TILE_CHUNKS) ? 1 : (flags & FUSED_TWO_TILE_CHUNKS) ? min(2, GCAP) : GCAP;
     q.whole_tiles = (flags & FUSED_WHOLE_TILE_COPIES) != 0;
     q.ldgsts = (flags & FUSED_LDGSTS) != 0;
     if (work && q.ldgsts) {
@@ -949,20 +836,20 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
         FUSED_PHASE(0, if (work) fused_norm_phase(p.x, 0, rows, L.attn_norm, p.act16, h, p.eps,
                                                   l == 0 ? p.embed : 0, p.tokens))
         // B: QKV projection.
-        FUSED_PHASE(1, if (work) fused_gemm_phase<GCAP>(p, q, ring, qkv, red, xs_buf, 0, -1))
+        FUSED_PHASE(1, if (work) fused_gemm_phase(p, q, ring, qkv, red, xs_buf, 0, -1))
         // C: bias, q/k norm, RoPE, KV append.
         FUSED_PHASE(2, if (work) fused_rope_phase(p, L, rows))
         // D: attention.
         FUSED_PHASE(3, if (work && !(flags & FUSED_SKIP_ATTENTION)) fused_attention_phase(
                            p, L, rows, attn_smem, (flags & FUSED_WHOLE_ROW_ATTENTION) != 0))
         // E: O projection + residual (+ o bias).
-        FUSED_PHASE(4, if (work) fused_gemm_phase<GCAP>(p, q, ring, o, red, xs_buf, 0, -1))
+        FUSED_PHASE(4, if (work) fused_gemm_phase(p, q, ring, o, red, xs_buf, 0, -1))
         // F: FFN RMSNorm.
         FUSED_PHASE(5, if (work) fused_norm_phase(p.x, 0, rows, L.ffn_norm, p.act16, h, p.eps, 0, 0))
         // G: gate/up + SwiGLU.
-        FUSED_PHASE(6, if (work) fused_gemm_phase<GCAP>(p, q, ring, gate_up, red, xs_buf, 0, -1))
+        FUSED_PHASE(6, if (work) fused_gemm_phase(p, q, ring, gate_up, red, xs_buf, 0, -1))
         // H: down projection + residual (and the tapped-layer copies).
-        FUSED_PHASE(7, if (work) fused_gemm_phase<GCAP>(p, q, ring, down, red, xs_buf, taps.count > 0 ? &taps : 0, l))
+        FUSED_PHASE(7, if (work) fused_gemm_phase(p, q, ring, down, red, xs_buf, taps.count > 0 ? &taps : 0, l))
     }
     if (n_logits > 0) {
         long long t = clock64();
@@ -970,7 +857,7 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
         FUSED_PHASE(8, if (work) fused_norm_phase(p.x, p.logit_rows, n_logits, p.final_norm, p.act16, h, p.eps, 0, 0))
         const FusedGemm head = {p.lm_head, p.act16, p.logits, 0, 0, p.vocab, h, n_logits, 0};
         t = clock64();
-        if (work) fused_gemm_phase<GCAP>(p, q, ring, head, red, xs_buf, 0, -1);
+        if (work) fused_gemm_phase(p, q, ring, head, red, xs_buf, 0, -1);
         fused_prof_add(9, t);
     }
 #undef FUSED_PHASE
@@ -988,15 +875,14 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS, 1)
 fused_forward(const FusedParams* __restrict__ params, int rows, int n_logits, int flags, float* tap_buf,
               unsigned long long tap_layers, int tap_count, int tap_stride) {
     const FusedTaps taps = {tap_buf, tap_layers, tap_count, tap_stride};
-    fused_forward_body<FUSED_MAX_GROUP>(params, rows, n_logits, flags, taps);
+    fused_forward_body(params, rows, n_logits, flags, taps);
 }
 
 // Two CTAs per SM (16 warps to hide the latency-bound phases: norms, RoPE, attention), at most 128
-// registers per thread. Which is faster is for the device to say (gpu_fused_check --bench). One tile
-// per chunk: the accumulators of a tile group would not fit in 128 registers.
+// registers per thread. Which is faster is for the device to say (gpu_fused_check --bench).
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS, 2)
 fused_forward_x2(const FusedParams* __restrict__ params, int rows, int n_logits, int flags, float* tap_buf,
                  unsigned long long tap_layers, int tap_count, int tap_stride) {
     const FusedTaps taps = {tap_buf, tap_layers, tap_count, tap_stride};
-    fused_forward_body<1>(params, rows, n_logits, flags, taps);
+    fused_forward_body(params, rows, n_logits, flags, taps);
 }

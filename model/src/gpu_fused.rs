@@ -38,13 +38,10 @@ pub const FUSED_MAX_SEQUENCES: usize = 8;
 pub const FUSED_MAX_TOKENS: usize = 16;
 /// Most rows one fused step takes.
 pub const FUSED_MAX_ROWS: usize = FUSED_MAX_SEQUENCES * FUSED_MAX_TOKENS;
-/// Most tiles per ring chunk (fused_step.cu FUSED_MAX_GROUP: above 16 rows a chunk holds up to 4
-/// consecutive 16-row tiles over chunk_k / 4 columns, so each activation fragment serves all of them).
-const MAX_TILE_GROUP: usize = 4;
 /// Bytes of one weight-ring slot for chunks of `chunk_k` columns (fused_step.cu fused_stage_bytes:
-/// 16 G rows of 2 chunk_k / G bytes, 64 bytes of padding each, for G up to MAX_TILE_GROUP).
+/// 16 rows of 2 chunk_k bytes, 64 bytes of padding each).
 fn stage_bytes(chunk_k: u32) -> usize {
-    16 * (chunk_k as usize * 2 + 64 * MAX_TILE_GROUP)
+    16 * (chunk_k as usize * 2 + 64)
 }
 /// Weight columns per ring chunk by default: 16 row copies of 4 KB per 66 KB chunk. Copies of 1 KB
 /// (512 columns) measured ~1.9 us per chunk whatever the ring depth (NOTES v0.7): the copy count, not
@@ -276,11 +273,6 @@ pub struct FusedOptions {
     /// Fill the ring with cp.async (LDGSTS) by all threads instead of the TMA engine (fused_step.cu
     /// FUSED_LDGSTS): an A/B against the bulk copies' measured per-SM rate. Off by default.
     pub ldgsts: bool,
-    /// Most 16-row weight tiles per ring chunk in phases of more than 16 activation rows (fused_step.cu
-    /// tile groups): 0 = the kernel's own cap (4 for `fused_forward`, 1 for `fused_forward_x2`), 1 or
-    /// 2 = at most that. Grouping reads each activation fragment once per group instead of once per
-    /// tile; the outputs are bit-identical whatever the cap.
-    pub tile_group_cap: u32,
     /// Launch with `CU_LAUNCH_ATTRIBUTE_COOPERATIVE` (co-residency guaranteed by the driver). Without
     /// it the grid barrier relies on the occupancy check and on nothing else running on the GPU.
     pub cooperative: bool,
@@ -296,7 +288,6 @@ impl Default for FusedOptions {
             chunk_k: 0,
             whole_tile_copies: true,
             ldgsts: false,
-            tile_group_cap: 0,
             cooperative: true,
             mode: FusedMode::Full,
         }
@@ -629,12 +620,6 @@ impl FusedStep {
     ) -> Result<FusedStep, ModelError> {
         let c = &t.config;
         let s = t.device.stream.clone();
-        if ![0, 1, 2, 4].contains(&opts.tile_group_cap) {
-            return Err(ModelError::Gpu(format!(
-                "fused step: tile_group_cap {} (0 for the kernel's own, 1, 2 or 4)",
-                opts.tile_group_cap
-            )));
-        }
         let kernel = kernel_for(opts.ctas_per_sm)?;
         let func = module.load_function(kernel).map_err(gpu)?;
         let static_smem = func.shared_size_bytes().map_err(gpu)? as usize;
@@ -940,12 +925,7 @@ impl GpuTransformer {
             } else {
                 0
             }
-            | if self.fused.opts.ldgsts { 32 } else { 0 }
-            | match self.fused.opts.tile_group_cap {
-                1 => 64,
-                2 => 128,
-                _ => 0,
-            };
+            | if self.fused.opts.ldgsts { 32 } else { 0 };
         // Tapped layers (fused_decision checked supports_taps): the same slots of the same buffer the
         // standard step copies into; the list is part of the graph key.
         let taps = &self.step_taps;
