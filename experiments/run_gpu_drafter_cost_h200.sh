@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# DSpark vs the embedded draft model on the GPU at equal settings (issue 8: "beats the draft model of
+# similar cost"): natural acceptance, k = 7, T = 1 and T = 0, the first N prompts of
+# experiments/prompts/heldback.jsonl, `specula generate --device cuda --json --ignore-eos`, one process per
+# (prompt, temperature, drafter). Prints AL, drafting and verify time per verify step and decode tokens/s
+# (end to end per request, drafting included). Needs the specula binary under .carry/bin (see
+# experiments/fused/run_fused_h200.sh for building and carrying it).
+#   run(command="bash experiments/run_gpu_drafter_cost_h200.sh", carry=[".carry/pack"], ...) after unpacking
+set -uo pipefail
+n=${PROMPTS:-2}
+max=${MAX_TOKENS:-256}
+bin=${SPECULA_BIN:-.carry/bin}
+out=${OUT:-/tmp/drafter_cost}
+mkdir -p "$out"
+libs=$(python3 -c "import nvidia, glob, os; print(':'.join(sorted({os.path.dirname(p) for b in nvidia.__path__ for p in glob.glob(os.path.join(b, '**', 'lib*.so*'), recursive=True)})))" 2>/dev/null)
+export LD_LIBRARY_PATH="${libs}:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export SPECULA_DEFAULT_MODELS=${SPECULA_DEFAULT_MODELS:-$PWD/models/default}
+{ date -u; cat "$bin/fused.rev" 2>/dev/null; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null; } > "$out/header.txt"
+for i in $(seq 1 "$n"); do
+  prompt=$(sed -n "${i}p" experiments/prompts/heldback.jsonl | python3 -c 'import json, sys; print(json.loads(sys.stdin.read())["turns"][0], end="")')
+  for t in 1 0; do
+    for d in dspark draft; do
+      if [ "$d" = dspark ]; then spec=(--speculative-config '{"method": "dspark", "num_speculative_tokens": 7}')
+      else spec=(--draft "$SPECULA_DEFAULT_MODELS/draft" --num-draft-tokens 7); fi
+      timeout 60 "$bin/specula" generate --device cuda --prompt "$prompt" --max-tokens "$max" --ignore-eos \
+        --temperature "$t" --seed "$i" --json "${spec[@]}" > "$out/p${i}_t${t}_${d}.json" 2> "$out/p${i}_t${t}_${d}.err"
+      echo "p$i T=$t $d rc=$?"
+    done
+  done
+done
+python3 - "$out" <<'PY'
+import glob, json, os, sys
+out = sys.argv[1]
+rows = {}
+for f in sorted(glob.glob(os.path.join(out, "p*_t*_*.json"))):
+    try:
+        s = json.load(open(f))["stats"]
+    except Exception as e:
+        print(f"{os.path.basename(f)}: no stats ({e})"); continue
+    key = (os.path.basename(f).split("_")[1], s["drafter"])
+    r = rows.setdefault(key, [0, 0, 0.0, 0.0, 0, 0.0])
+    r[0] += s["num_verify_steps"]; r[1] += s["accepted_tokens"]; r[2] += s["draft_ms"]; r[3] += s["verify_ms"]
+    r[4] += s["generated_tokens"]; r[5] += s["total_ms"] - s["prefill_ms"]
+print(open(os.path.join(out, "header.txt")).read().strip())
+print("| T | drafter | verify steps | AL (pooled) | draft ms / step | verify ms / step | decode tok/s (generated / decode wall) |")
+print("|---|---|---:|---:|---:|---:|---:|")
+for (t, d), r in sorted(rows.items()):
+    print(f"| {t[1:]} | {d} | {r[0]} | {1 + r[1] / r[0]:.2f} | {r[2] / r[0]:.3f} | {r[3] / r[0]:.3f} | {r[4] / (r[5] / 1e3):.0f} |")
+PY
