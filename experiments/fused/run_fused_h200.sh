@@ -19,7 +19,11 @@
 # --quick), bench (gpu_fused_check --bench, with the in-kernel profile), engine (gpu_e2e_check: the
 # engine on both decode backends; needs SPECULA_DEFAULT_MODELS or the repository's models/), step
 # (`specula bench step --backends standard,latency_specialized`, llama3.2-1b), shapes (the same for
-# qwen2.5-coder-1.5b and llama3.1-8b), e2e (`specula bench e2e`, 1 request, synthetic 3.78, k=7).
+# qwen2.5-coder-1.5b and llama3.1-8b), e2e (`specula bench e2e`, 1 request, synthetic 3.78, k=7),
+# ab (candidate kernels: each experiments/fused/candidates/*.patch applied to a copy of
+# kernels/cuda/fused_step.cu and loaded through SPECULA_FUSED_STEP_CU: `gpu_fused_check --bench --short`
+# for the shipped kernel and every candidate, then `gpu_fused_check --quick` for every candidate; logs in
+# $OUT/ab/, a summary table in $OUT/ab/summary.txt).
 # step/shapes/e2e results go into $OUT/bench.tgz (the device tool returns at most 8 files). Extra
 # arguments after the parts go to every gpu_fused_check call (e.g. --no-cooperative).
 set -uo pipefail
@@ -54,6 +58,42 @@ fi
 if has bench; then
   { header; timeout 300 "$bin/gpu_fused_check" --bench ${extra[@]+"${extra[@]}"}; echo "exit $?"; } 2>&1 | tee "$out/gpu_fused_bench_h200.txt"
   grep -q "^exit 0$" "$out/gpu_fused_bench_h200.txt" || status=1
+fi
+if has ab; then
+  mkdir -p "$out/ab"
+  { header; timeout 200 "$bin/gpu_fused_check" --bench --short; echo "exit $?"; } > "$out/ab/bench_shipped.txt" 2>&1
+  for patch_file in experiments/fused/candidates/*.patch; do
+    name=$(basename "$patch_file" .patch)
+    src=/tmp/fused_candidates/$name.cu
+    mkdir -p /tmp/fused_candidates
+    cp kernels/cuda/fused_step.cu "$src"
+    if ! patch -s "$src" < "$patch_file"; then echo "$name: the patch does not apply" > "$out/ab/bench_$name.txt"; status=1; continue; fi
+    { header; SPECULA_FUSED_STEP_CU=$src timeout 200 "$bin/gpu_fused_check" --bench --short; echo "exit $?"; } > "$out/ab/bench_$name.txt" 2>&1
+    { header; SPECULA_FUSED_STEP_CU=$src timeout 300 "$bin/gpu_fused_check" --quick; echo "exit $?"; } > "$out/ab/check_$name.txt" 2>&1
+    grep -q "^exit 0$" "$out/ab/check_$name.txt" || status=1
+  done
+  # Fused median ms per shape, one column per kernel; and each candidate's parity verdict.
+  python3 - "$out/ab" > "$out/ab/summary.txt" <<'PY'
+import glob, os, re, sys
+d = sys.argv[1]
+cols, table = [], {}
+for f in sorted(glob.glob(os.path.join(d, "bench_*.txt")), key=lambda f: (not f.endswith("bench_shipped.txt"), f)):
+    name = os.path.basename(f)[6:-4]
+    cols.append(name)
+    for line in open(f):
+        m = re.match(r"^\| (\d+) \| (\d+) \| ([\d.]+) \([\d.]+\) \| ([\d.]+) \(", line)
+        if m:
+            table.setdefault((int(m[1]), int(m[2])), {})["standard"] = m[3]
+            table[(int(m[1]), int(m[2]))][name] = m[4]
+print("| requests x tokens | standard | " + " | ".join(cols) + " |")
+print("|---|---:|" + "---:|" * len(cols))
+for (b, t), row in sorted(table.items()):
+    print(f"| {b} x {t} | {row.get('standard', '-')} | " + " | ".join(row.get(c, "-") for c in cols) + " |")
+for f in sorted(glob.glob(os.path.join(d, "check_*.txt"))):
+    tail = [l.strip() for l in open(f) if "worst relative error" in l or l.startswith("exit")]
+    print(os.path.basename(f)[6:-4] + ": " + "; ".join(tail))
+PY
+  cat "$out/ab/summary.txt"
 fi
 export SPECULA_DEFAULT_MODELS=${SPECULA_DEFAULT_MODELS:-$PWD/models/default}
 export SPECULA_GIT_REVISION=${SPECULA_GIT_REVISION:-$(cat "$bin/fused.rev" 2>/dev/null)}

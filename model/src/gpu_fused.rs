@@ -38,10 +38,14 @@ pub const FUSED_MAX_SEQUENCES: usize = 8;
 pub const FUSED_MAX_TOKENS: usize = 16;
 /// Most rows one fused step takes.
 pub const FUSED_MAX_ROWS: usize = FUSED_MAX_SEQUENCES * FUSED_MAX_TOKENS;
-/// Bytes of one weight-ring slot for chunks of `chunk_k` columns (fused_step.cu fused_stage_bytes:
-/// 16 rows of 2 chunk_k bytes, 64 bytes of padding each).
+/// Bytes of one weight-ring slot for chunks of `chunk_k` columns: fused_step.cu fused_stage_bytes (16
+/// rows of 2 chunk_k bytes, 64 bytes of padding each) plus room for the padding of 4-tile groups (64
+/// rows of chunk_k / 4 columns), so that candidate kernels with tile groups
+/// (experiments/fused/candidates/) run with this host through SPECULA_FUSED_STEP_CU. The kernel uses
+/// the first 16 rows' worth; measured on the H200 with the shipped kernel, the 6 KB less for staged
+/// activations changed nothing (NOTES v0.12, `k_tile_groups/` runs 2 and 3: 1 x 1 1.944 and 1.939 ms).
 fn stage_bytes(chunk_k: u32) -> usize {
-    16 * (chunk_k as usize * 2 + 64)
+    16 * (chunk_k as usize * 2 + 64 * 4)
 }
 /// Weight columns per ring chunk by default: 16 row copies of 4 KB per 66 KB chunk. Copies of 1 KB
 /// (512 columns) measured ~1.9 us per chunk whatever the ring depth (NOTES v0.7): the copy count, not
