@@ -20,10 +20,12 @@
 # engine on both decode backends; needs SPECULA_DEFAULT_MODELS or the repository's models/), step
 # (`specula bench step --backends standard,latency_specialized`, llama3.2-1b), shapes (the same for
 # qwen2.5-coder-1.5b and llama3.1-8b), e2e (`specula bench e2e`, 1 request, synthetic 3.78, k=7),
-# ab (candidate kernels: each experiments/fused/candidates/*.patch applied to a copy of
-# kernels/cuda/fused_step.cu and loaded through SPECULA_FUSED_STEP_CU: `gpu_fused_check --bench --short`
-# for the shipped kernel and every candidate, then `gpu_fused_check --quick` for every candidate; logs in
-# $OUT/ab/, a summary table in $OUT/ab/summary.txt).
+# ab (candidate kernels: every NAME.cu under $AB_DIR, default .carry/pack/candidates, loaded through
+# SPECULA_FUSED_STEP_CU: `gpu_fused_check --bench --short` for the shipped kernel and every candidate,
+# then `gpu_fused_check --quick` for every candidate; logs in $OUT/ab/, a summary table in
+# $OUT/ab/summary.txt). Make the candidates here, where `patch` is known to exist:
+#   mkdir -p .carry/pack/candidates; for p in experiments/fused/candidates/*.patch; do
+#     c=.carry/pack/candidates/$(basename "$p" .patch).cu; cp kernels/cuda/fused_step.cu "$c"; patch -s "$c" < "$p"; done
 # step/shapes/e2e results go into $OUT/bench.tgz (the device tool returns at most 8 files). Extra
 # arguments after the parts go to every gpu_fused_check call (e.g. --no-cooperative).
 set -uo pipefail
@@ -62,12 +64,12 @@ fi
 if has ab; then
   mkdir -p "$out/ab"
   { header; timeout 200 "$bin/gpu_fused_check" --bench --short; echo "exit $?"; } > "$out/ab/bench_shipped.txt" 2>&1
-  for patch_file in experiments/fused/candidates/*.patch; do
-    name=$(basename "$patch_file" .patch)
-    src=/tmp/fused_candidates/$name.cu
-    mkdir -p /tmp/fused_candidates
-    cp kernels/cuda/fused_step.cu "$src"
-    if ! patch -s "$src" < "$patch_file"; then echo "$name: the patch does not apply" > "$out/ab/bench_$name.txt"; status=1; continue; fi
+  ab_dir=${AB_DIR:-.carry/pack/candidates}
+  ls "$ab_dir"/*.cu > /dev/null 2>&1 || { echo "ab: no candidate .cu files under $ab_dir" | tee "$out/ab/summary.txt"; status=1; }
+  for src in "$ab_dir"/*.cu; do
+    [ -f "$src" ] || continue
+    src=$(cd "$(dirname "$src")" && pwd)/$(basename "$src")
+    name=$(basename "$src" .cu)
     { header; SPECULA_FUSED_STEP_CU=$src timeout 200 "$bin/gpu_fused_check" --bench --short; echo "exit $?"; } > "$out/ab/bench_$name.txt" 2>&1
     { header; SPECULA_FUSED_STEP_CU=$src timeout 300 "$bin/gpu_fused_check" --quick; echo "exit $?"; } > "$out/ab/check_$name.txt" 2>&1
     grep -q "^exit 0$" "$out/ab/check_$name.txt" || status=1
