@@ -127,7 +127,7 @@ struct FusedParams {
     int ring_offset;  // byte offset of the ring in dynamic shared memory (after the phase scratch)
     int xs_bytes;     // bytes of the activation / attention region (at FUSED_RED_BYTES)
     int chunk_k;      // weight columns per ring chunk (a multiple of 256)
-    int reserved;
+    int max_rows;     // rows of the step buffers (attn_partials: 4 key slices per row and KV head); unused here
     float eps;
     float scale;
 };

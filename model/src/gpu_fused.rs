@@ -446,6 +446,10 @@ struct FusedParamsHost {
     ring_offset: i32,
     xs_bytes: i32,
     chunk_k: i32,
+    /// Rows the step buffers hold (GpuOptions::max_rows): attention_partials has 4 key slices per
+    /// (row, KV head) of that many rows. Unused by the shipped kernel; candidates that split
+    /// attention finer size their slices by it (experiments/fused/candidates/).
+    max_rows: i32,
     eps: f32,
     scale: f32,
 }
@@ -488,7 +492,7 @@ impl FusedParamsHost {
             self.ring_offset as u32,
             self.xs_bytes as u32,
             self.chunk_k as u32,
-            0,
+            self.max_rows as u32,
             self.eps.to_bits(),
             self.scale.to_bits(),
         ];
@@ -717,6 +721,7 @@ impl FusedStep {
             ring_offset: ring_offset as i32,
             xs_bytes: xs_bytes as i32,
             chunk_k: chunk_k as i32,
+            max_rows: t.opts.max_rows as i32,
             eps: c.rms_norm_eps,
             // The same expression as the standard step's attention scale (bit-identical).
             scale: 1.0 / (c.head_dim as f32).sqrt(),
@@ -1226,6 +1231,7 @@ mod tests {
             ring_offset: 32768,
             xs_bytes: 4096,
             chunk_k: 2048,
+            max_rows: 512,
             eps: 1e-5,
             scale: 0.125,
             ..Default::default()
@@ -1242,8 +1248,8 @@ mod tests {
         // 25.
         assert_eq!(w[24] >> 32, 12);
         assert_eq!(w[25], 32768 | (4096u64 << 32));
-        // chunk_k and the reserved int share word 26; eps and scale word 27.
-        assert_eq!(w[26], 2048);
+        // chunk_k and max_rows share word 26; eps and scale word 27.
+        assert_eq!(w[26], 2048 | (512u64 << 32));
         assert_eq!(
             w[27],
             u64::from(1e-5f32.to_bits()) | (u64::from(0.125f32.to_bits()) << 32)
