@@ -3,9 +3,11 @@
 # similar cost"): natural acceptance, k = 7, T = 1 and T = 0, the first N prompts of
 # experiments/prompts/heldback.jsonl, `specula generate --device cuda --json --ignore-eos`, one process per
 # (prompt, temperature, drafter). Prints AL, drafting and verify time per verify step and decode tokens/s
-# (end to end per request, drafting included). Needs the specula binary under .carry/bin (see
-# experiments/fused/run_fused_h200.sh for building and carrying it).
-#   run(command="bash experiments/run_gpu_drafter_cost_h200.sh", carry=[".carry/pack"], ...) after unpacking
+# (end to end per request, drafting included). Needs the specula binary under .carry/bin, built here with
+# `--features cuda` and packed as experiments/fused/run_fused_h200.sh describes; then:
+#   run(command="mkdir -p .carry && tar -xJf .carry/pack/bin.tar.xz -C .carry && OUT=$OUT bash experiments/run_gpu_drafter_cost_h200.sh",
+#       carry=[".carry/pack"], timeout_s=300)
+# Not run yet (session 7 had no device time left); a CPU dry run (--device cpu) checked the script.
 set -uo pipefail
 n=${PROMPTS:-2}
 max=${MAX_TOKENS:-256}
