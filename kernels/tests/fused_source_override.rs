@@ -1,0 +1,57 @@
+//! `SPECULA_FUSED_STEP_CU` (kernels/src/cuda/mod.rs) replaces the fused step's source at run time, for
+//! A/Bs of candidate kernels on a GPU machine that cannot rebuild the binary: a missing file is an
+//! error naming the variable and the path, and a readable one is what NVRTC compiles (appended to the
+//! embedded decoder.cu, like the shipped source). Its own test binary, because the variable is
+//! process-wide and the other compile tests must see the embedded source.
+#![cfg(feature = "cuda")]
+
+use specula_kernels::cuda::{compile_source, nvrtc_available, FUSED_SOURCE_ENV};
+
+#[test]
+fn the_override_is_what_compiles_and_a_missing_file_is_a_clear_error() {
+    if !nvrtc_available() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI must provide NVRTC (scripts/test.sh installs it)"
+        );
+        eprintln!("SKIPPED: no libnvrtc on this machine (run scripts/test.sh, which installs it)");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("specula-fused-override-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+
+    let missing = dir.join("no-such-file.cu");
+    std::env::set_var(FUSED_SOURCE_ENV, &missing);
+    let err = compile_source("fused_step.cu", "sm_90")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(FUSED_SOURCE_ENV) && err.contains("no-such-file.cu"),
+        "{err}"
+    );
+
+    // A candidate: the shipped source plus one marker kernel that calls a decoder.cu device function,
+    // so the PTX shows both that the file was read and that decoder.cu still comes first.
+    let candidate = dir.join("candidate.cu");
+    let marker =
+        "\nextern \"C\" __global__ void override_marker(float* x) { x[0] = bf16_to_f32(0); }\n";
+    std::fs::write(
+        &candidate,
+        format!("{}{marker}", include_str!("../cuda/fused_step.cu")),
+    )
+    .unwrap();
+    std::env::set_var(FUSED_SOURCE_ENV, &candidate);
+    let ptx = compile_source("fused_step.cu", "sm_90")
+        .unwrap_or_else(|e| panic!("{e}"))
+        .to_src();
+    assert!(
+        ptx.contains(".entry override_marker("),
+        "the override was not compiled"
+    );
+    assert!(
+        ptx.contains(".entry fused_forward("),
+        "the candidate lost the fused kernel"
+    );
+    std::env::remove_var(FUSED_SOURCE_ENV);
+    std::fs::remove_dir_all(&dir).ok();
+}
