@@ -5,16 +5,13 @@
 //! process-wide and the other compile tests must see the embedded source.
 #![cfg(feature = "cuda")]
 
-use specula_kernels::cuda::{compile_source, nvrtc_available, FUSED_SOURCE_ENV};
+mod common;
+
+use specula_kernels::cuda::{compile_source, FUSED_SOURCE_ENV};
 
 #[test]
 fn the_override_is_what_compiles_and_a_missing_file_is_a_clear_error() {
-    if !nvrtc_available() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "CI must provide NVRTC (scripts/test.sh installs it)"
-        );
-        eprintln!("SKIPPED: no libnvrtc on this machine (run scripts/test.sh, which installs it)");
+    if !common::nvrtc_or_skip() {
         return;
     }
     let dir = std::env::temp_dir().join(format!("specula-fused-override-{}", std::process::id()));

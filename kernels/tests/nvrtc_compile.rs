@@ -3,16 +3,13 @@
 //! package (scripts/test.sh); there a missing NVRTC is a failure, elsewhere the test says it was skipped.
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use specula_kernels::cuda::{compile_all, nvrtc_available, EXPORTED_KERNELS, KERNEL_SOURCES};
 
 #[test]
 fn kernels_compile_for_hopper_and_blackwell() {
-    if !nvrtc_available() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "CI must provide NVRTC (scripts/test.sh installs it)"
-        );
-        eprintln!("SKIPPED: no libnvrtc on this machine (run scripts/test.sh, which installs it)");
+    if !common::nvrtc_or_skip() {
         return;
     }
     for arch in ["sm_90", "sm_103a"] {
