@@ -9,6 +9,8 @@
 
 #define DSP_ATTN_THREADS 256
 #define DSP_MAX_GROUP 8
+// Row groups of W2 each warp loads before reducing any (loads in flight per thread).
+#define DSP_W2_UNROLL 8
 
 __device__ __forceinline__ float dsp_bf16_to_f32(unsigned short h) {
     return __uint_as_float(((unsigned int)h) << 16);
@@ -171,8 +173,12 @@ dspark_markov_loop(const float* base_logits, const float* hidden, int g, int vd,
     const float top_p = seq_f[b * DSP_SEQ_FLOATS + 1];
     const float threshold = seq_f[b * DSP_SEQ_FLOATS + 2];
     const int n = draft_to_target ? vd : limit;
-    // W2 rows are 16-byte aligned when rank % 8 == 0: then each thread reads its rows 8 entries per load.
+    // W2 rows are 16-byte aligned when rank % 8 == 0: then rows are read 8 entries per load, by `lpr`
+    // lanes each (the largest power of two <= min(32, rank / 8)).
     const bool vec_w2 = (rank & 7) == 0;
+    const int pieces = rank >> 3;
+    int lpr = 1;
+    while (lpr * 2 <= pieces && lpr < 32) lpr *= 2;
 
     int code = SPL_OK, detail = 0, fail_slot = 0, drafted = 0;
     int first_allowed = 0;
@@ -211,25 +217,55 @@ dspark_markov_loop(const float* base_logits, const float* hidden, int g, int vd,
         const float* brow = base_logits + r * vd;
         float* crow = corrected + r * vd;
         float* mrow = masked + r * vd;
-        for (int x = tid; x < vd; x += nt) {
-            const unsigned short* w = w2 + (size_t)x * rank;
-            float acc = 0.0f;
-            if (vec_w2) {
-                for (int c = 0; c < rank; c += 8) {
-                    uint4 v = *(const uint4*)(w + c);
-                    unsigned int words[4] = {v.x, v.y, v.z, v.w};
+        if (vec_w2) {
+            // W2 rows are 16-byte aligned: the rank / 8 pieces of a row are spread over `lpr` lanes
+            // (coalesced: a warp load covers 32 / lpr whole rows), each lane sums its pieces in order,
+            // then the lanes of a row add their sums by shuffles. DSP_W2_UNROLL row groups per warp
+            // are loaded before any is reduced, so each thread keeps several loads in flight: this is
+            // the serial part of every slot (one CTA per sequence), bound by load latency.
+            const int lane = tid & 31, warp = tid >> 5, n_warps = nt >> 5;
+            const int sub = lane / lpr, li = lane % lpr, rpw = 32 / lpr;
+            for (int base = warp * rpw; base < vd; base += n_warps * rpw * DSP_W2_UNROLL) {
+                float acc[DSP_W2_UNROLL];
 #pragma unroll
-                    for (int q = 0; q < 4; ++q) {
-                        acc += dsp_bf16_to_f32((unsigned short)(words[q] & 0xffffu)) * dsp_e[c + 2 * q];
-                        acc += dsp_bf16_to_f32((unsigned short)(words[q] >> 16)) * dsp_e[c + 2 * q + 1];
+                for (int u = 0; u < DSP_W2_UNROLL; ++u) {
+                    acc[u] = 0.0f;
+                    const int x = base + u * n_warps * rpw + sub;
+                    if (x < vd) {
+                        const uint4* w = (const uint4*)(w2 + (size_t)x * rank);
+                        for (int piece = li; piece < pieces; piece += lpr) {
+                            const uint4 v = __ldg(w + piece);
+                            const float* e = dsp_e + piece * 8;
+                            const unsigned int words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                            for (int q = 0; q < 4; ++q) {
+                                acc[u] += dsp_bf16_to_f32((unsigned short)(words[q] & 0xffffu)) * e[2 * q];
+                                acc[u] += dsp_bf16_to_f32((unsigned short)(words[q] >> 16)) * e[2 * q + 1];
+                            }
+                        }
                     }
                 }
-            } else {
-                for (int c = 0; c < rank; ++c) acc += dsp_bf16_to_f32(w[c]) * dsp_e[c];
+#pragma unroll
+                for (int u = 0; u < DSP_W2_UNROLL; ++u) {
+                    // Every lane takes part (base is warp-uniform), so the full-mask shuffles are safe.
+                    for (int off = lpr >> 1; off > 0; off >>= 1) acc[u] += __shfl_xor_sync(0xffffffffu, acc[u], off);
+                    const int x = base + u * n_warps * rpw + sub;
+                    if (li == 0 && x < vd) {
+                        const float v = brow[x] + acc[u];
+                        crow[x] = v;
+                        if (draft_to_target) mrow[x] = draft_to_target[x] < limit ? v : SPL_F32_NEG_INF;
+                    }
+                }
             }
-            const float v = brow[x] + acc;
-            crow[x] = v;
-            if (draft_to_target) mrow[x] = draft_to_target[x] < limit ? v : SPL_F32_NEG_INF;
+        } else {
+            for (int x = tid; x < vd; x += nt) {
+                const unsigned short* w = w2 + (size_t)x * rank;
+                float acc = 0.0f;
+                for (int c = 0; c < rank; ++c) acc += dsp_bf16_to_f32(w[c]) * dsp_e[c];
+                const float v = brow[x] + acc;
+                crow[x] = v;
+                if (draft_to_target) mrow[x] = draft_to_target[x] < limit ? v : SPL_F32_NEG_INF;
+            }
         }
         __syncthreads();
         float* prow = probs + r * vd;

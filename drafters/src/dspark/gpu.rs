@@ -11,16 +11,26 @@
 //! cached and a rejection needs no rollback — as on the CPU, where context rows are only ever appended
 //! for committed positions. The Markov loop runs every slot of every sequence in one launch
 //! (`dspark_markov_loop`).
+//!
+//! Latency: a proposal is a few dozen small kernels on tiny tensors, so host overhead is most of its
+//! cost. The block pass (per batch size) and small context appends (per row count) are captured into
+//! CUDA graphs at first use and replayed after that (they read only device buffers and launch-time
+//! sizes); host inputs go through page-locked staging buffers, so uploads don't stall the host, and the
+//! Markov loop's results come back with one synchronisation instead of one per buffer.
 
 use super::model::{BlockOutput, DSparkModel};
 use crate::DraftError;
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    sys, CudaEvent, CudaFunction, CudaGraph, CudaSlice, LaunchConfig, PinnedHostSlice,
+    PushKernelArg, ValidAsZeroBits,
+};
 use specula_kernels::cuda::dspark::{
     decode_markov_status, pack_markov_params, BlockAttention, DSparkKernels, MarkovFailure,
     MarkovLoop, MarkovSeqParams, STATUS_INTS,
 };
 use specula_kernels::cuda::{CudaError, Gemm, GpuDevice};
 use specula_kernels::Matrix;
+use std::collections::HashMap;
 use std::sync::Arc;
 
 fn gpu(e: impl Into<CudaError>) -> DraftError {
@@ -37,6 +47,9 @@ pub struct GpuDSparkOptions {
     pub max_context: usize,
     /// Feature rows per device launch of a context append; longer appends (a prompt) are chunked.
     pub max_append_rows: usize,
+    /// Replay the block pass and small context appends as CUDA graphs (captured at the first use of
+    /// each batch size / row count). Off: every kernel is launched one by one (for comparison).
+    pub graphs: bool,
 }
 
 impl Default for GpuDSparkOptions {
@@ -45,6 +58,7 @@ impl Default for GpuDSparkOptions {
             max_sequences: 8,
             max_context: 4096,
             max_append_rows: 256,
+            graphs: true,
         }
     }
 }
@@ -94,6 +108,51 @@ struct DecoderFns {
     rope_kv_append: CudaFunction,
     swiglu_bf16: CudaFunction,
     f32_to_bf16_rows: CudaFunction,
+}
+
+/// A captured launch sequence, owned by one `GpuDSpark`. cudarc leaves `CudaGraph` `!Send` because
+/// graph objects must not be used from two threads at once; moving one with its owner is fine (every
+/// launch binds the context to the calling thread first), so `GpuDSpark` stays `Send` but not `Sync`.
+struct OwnedGraph(CudaGraph);
+
+// SAFETY: see above: only ownership moves between threads; `OwnedGraph` is not `Sync`.
+unsafe impl Send for OwnedGraph {}
+
+/// What a captured graph replays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum GraphKey {
+    /// A context append of this many feature rows.
+    Append(usize),
+    /// A block pass over this many sequences.
+    Block(usize),
+}
+
+/// Context appends of at most this many rows are captured (a verify step commits at most k + 1
+/// positions); longer ones (prompts) are launched directly rather than holding a graph per length.
+const MAX_GRAPH_APPEND_ROWS: usize = 32;
+
+/// Page-locked host memory for `len` values, zeroed. `write_combined` suits buffers the host only
+/// writes (uploads); buffers the host reads back must be cached.
+fn pinned<T: cudarc::driver::DeviceRepr + ValidAsZeroBits + Default + Copy>(
+    device: &GpuDevice,
+    len: usize,
+    write_combined: bool,
+) -> Result<PinnedHostSlice<T>, DraftError> {
+    let flags = if write_combined {
+        sys::CU_MEMHOSTALLOC_WRITECOMBINED
+    } else {
+        0
+    };
+    // SAFETY: the memory is uninitialised until the fill below, and nothing reads it before.
+    let mut p = unsafe {
+        device
+            .stream
+            .context()
+            .alloc_pinned_with_flags::<T>(len.max(1), flags)
+    }
+    .map_err(gpu)?;
+    p.as_mut_slice().map_err(gpu)?.fill(T::default());
+    Ok(p)
 }
 
 /// Sections of the packed i32 step inputs, each `rows` long.
@@ -150,7 +209,7 @@ pub struct GpuDSpark {
     max_rows: usize,
     /// Block rows of one proposal: max_sequences * g.
     max_block_rows: usize,
-    host_inputs: Vec<i32>,
+    host_inputs: PinnedHostSlice<i32>,
     inputs: CudaSlice<i32>,
     features: CudaSlice<f32>,
     x: CudaSlice<f32>,
@@ -168,8 +227,21 @@ pub struct GpuDSpark {
     seq_i: CudaSlice<i32>,
     seq_f: CudaSlice<f32>,
     uniforms: CudaSlice<f64>,
+    /// Page-locked staging of the Markov loop's inputs and results.
+    host_seq_i: PinnedHostSlice<i32>,
+    host_seq_f: PinnedHostSlice<f32>,
+    host_uniforms: PinnedHostSlice<f64>,
+    host_status: PinnedHostSlice<i32>,
+    host_tokens: PinnedHostSlice<i32>,
+    host_conf: PinnedHostSlice<f32>,
+    host_probs: PinnedHostSlice<f32>,
     /// Batch of the last block pass (what `read_block_outputs` and the Markov loop may read).
     last_batch: usize,
+    graphs: HashMap<GraphKey, OwnedGraph>,
+    /// Why graphs were switched off (a failed capture), if they were.
+    graph_error: Option<String>,
+    /// Events around the last Markov kernel launch, when timing is on (`set_kernel_timing`).
+    markov_events: Option<(CudaEvent, CudaEvent)>,
 }
 
 fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
@@ -311,7 +383,7 @@ impl GpuDSpark {
             host_draft_to_target: model.draft_to_target.clone(),
             confidence,
             free_slots: (0..opts.max_sequences).rev().collect(),
-            host_inputs: vec![0; IN_SECTIONS * max_rows],
+            host_inputs: pinned(&device, IN_SECTIONS * max_rows, true)?,
             inputs: s.alloc_zeros::<i32>(IN_SECTIONS * max_rows).map_err(gpu)?,
             features: zeros_f32(opts.max_append_rows * d.feature_width)?,
             x: zeros_f32(max_rows * d.h)?,
@@ -333,9 +405,27 @@ impl GpuDSpark {
                 .map_err(gpu)?,
             seq_f: zeros_f32(opts.max_sequences * specula_kernels::cuda::dspark::SEQ_FLOATS)?,
             uniforms: s.alloc_zeros::<f64>(max_block_rows).map_err(gpu)?,
+            host_seq_i: pinned(
+                &device,
+                opts.max_sequences * specula_kernels::cuda::dspark::SEQ_INTS,
+                true,
+            )?,
+            host_seq_f: pinned(
+                &device,
+                opts.max_sequences * specula_kernels::cuda::dspark::SEQ_FLOATS,
+                true,
+            )?,
+            host_uniforms: pinned(&device, max_block_rows, true)?,
+            host_status: pinned(&device, opts.max_sequences * STATUS_INTS, false)?,
+            host_tokens: pinned(&device, max_block_rows, false)?,
+            host_conf: pinned(&device, max_block_rows, false)?,
+            host_probs: pinned(&device, max_block_rows * d.vd, false)?,
             max_rows,
             max_block_rows,
             last_batch: 0,
+            graphs: HashMap::new(),
+            graph_error: None,
+            markov_events: None,
             device,
             gemm,
             kernels,
@@ -428,18 +518,33 @@ impl GpuDSpark {
         features: &[f32],
         n: usize,
     ) -> Result<(), DraftError> {
-        let d = self.d;
         let s = self.device.stream.clone();
         let mr = self.max_rows;
-        for i in 0..n {
-            let pos = start + i;
-            self.host_inputs[IN_POSITIONS * mr + i] = int(pos)?;
-            self.host_inputs[IN_SLOTS * mr + i] = int(slot * self.opts.max_context + pos)?;
+        {
+            // Waits for the previous upload from this buffer (an event, not a stream sync).
+            let h = self.host_inputs.as_mut_slice().map_err(gpu)?;
+            for i in 0..n {
+                let pos = start + i;
+                h[IN_POSITIONS * mr + i] = int(pos)?;
+                h[IN_SLOTS * mr + i] = int(slot * self.opts.max_context + pos)?;
+            }
         }
         s.memcpy_htod(&self.host_inputs, &mut self.inputs)
             .map_err(gpu)?;
+        // Pageable: this copy synchronises, but appends follow a verify step whose results the host
+        // already waited for, so the stream is idle here.
         s.memcpy_htod(features, &mut self.features.slice_mut(..features.len()))
             .map_err(gpu)?;
+        let key = (n <= MAX_GRAPH_APPEND_ROWS).then_some(GraphKey::Append(n));
+        self.launch(key, Self::encode_append, n)
+    }
+
+    /// The launches of a context append of `n` rows whose positions, slot rows and features are
+    /// already on the device (reads only device buffers, so it can be captured).
+    fn encode_append(&mut self, n: usize) -> Result<(), DraftError> {
+        let d = self.d;
+        let s = self.device.stream.clone();
+        let mr = self.max_rows;
         let (h_i, hd_i, nkv_i, kv2_i, eps) =
             (int(d.h)?, int(d.hd)?, int(d.nkv)?, int(2 * d.kvd)?, d.eps);
         let zero = 0i32;
@@ -523,7 +628,12 @@ impl GpuDSpark {
             )));
         }
         let mr = self.max_rows;
-        for (i, blk) in blocks.iter().enumerate() {
+        let (cap, max_seqs, max_ctx) = (
+            self.context_capacity(),
+            self.opts.max_sequences,
+            self.opts.max_context,
+        );
+        for blk in blocks {
             if blk.anchor as usize >= d.vocab {
                 return Err(specula_model::ModelError::TokenOutOfRange {
                     id: blk.anchor,
@@ -531,26 +641,43 @@ impl GpuDSpark {
                 }
                 .into());
             }
-            if blk.slot >= self.opts.max_sequences || blk.ctx_len > self.context_capacity() {
+            if blk.slot >= max_seqs || blk.ctx_len > cap {
                 return Err(DraftError::Gpu(format!(
                     "block of slot {} after {} context rows is outside the drafter's capacity",
                     blk.slot, blk.ctx_len
                 )));
             }
-            for j in 0..g {
-                let row = i * g + j;
-                let pos = blk.ctx_len + j;
-                let h = &mut self.host_inputs;
-                h[IN_IDS * mr + row] = if j == 0 { blk.anchor } else { d.mask } as i32;
-                h[IN_POSITIONS * mr + row] = int(pos)?;
-                h[IN_SLOTS * mr + row] = int(blk.slot * self.opts.max_context + pos)?;
-                h[IN_KEY_COUNTS * mr + row] = int(blk.ctx_len + g)?;
-                h[IN_SEQ_OF_ROW * mr + row] = int(blk.slot)?;
+        }
+        {
+            // Waits for the previous upload from this buffer (an event, not a stream sync).
+            let h = self.host_inputs.as_mut_slice().map_err(gpu)?;
+            for (i, blk) in blocks.iter().enumerate() {
+                for j in 0..g {
+                    let row = i * g + j;
+                    let pos = blk.ctx_len + j;
+                    h[IN_IDS * mr + row] = if j == 0 { blk.anchor } else { d.mask } as i32;
+                    h[IN_POSITIONS * mr + row] = int(pos)?;
+                    h[IN_SLOTS * mr + row] = int(blk.slot * max_ctx + pos)?;
+                    h[IN_KEY_COUNTS * mr + row] = int(blk.ctx_len + g)?;
+                    h[IN_SEQ_OF_ROW * mr + row] = int(blk.slot)?;
+                }
             }
         }
         let s = self.device.stream.clone();
         s.memcpy_htod(&self.host_inputs, &mut self.inputs)
             .map_err(gpu)?;
+        self.launch(Some(GraphKey::Block(blocks.len())), Self::encode_block, n)?;
+        self.last_batch = blocks.len();
+        Ok(())
+    }
+
+    /// The launches of a block pass over `n` block rows whose ids, positions, slot rows, key counts
+    /// and sequence indices are already on the device (reads only device buffers, so it can be
+    /// captured).
+    fn encode_block(&mut self, n: usize) -> Result<(), DraftError> {
+        let d = self.d;
+        let mr = self.max_rows;
+        let s = self.device.stream.clone();
         let width = d.qd + 2 * d.kvd;
         let (h_i, w_i, hd_i, nh_i, nkv_i, qd_i, eps) = (
             int(d.h)?,
@@ -693,8 +820,86 @@ impl GpuDSpark {
         self.gemm
             .linear(&self.lm_head, &self.act16, &mut self.logits, d.vd, d.h, n)
             .map_err(gpu)?;
-        self.last_batch = blocks.len();
         Ok(())
+    }
+
+    /// Runs `encode(self, n)`: replays the graph of `key` when one was captured; otherwise runs it
+    /// directly (this call's result) and, with graphs on and a key, captures the same launches for
+    /// the next call of that shape. A failed capture switches graphs off (`graph_error` says why)
+    /// and the drafter goes on launching directly.
+    fn launch(
+        &mut self,
+        key: Option<GraphKey>,
+        encode: fn(&mut GpuDSpark, usize) -> Result<(), DraftError>,
+        n: usize,
+    ) -> Result<(), DraftError> {
+        let key = key.filter(|_| self.opts.graphs && self.graph_error.is_none());
+        if let Some(OwnedGraph(g)) = key.and_then(|k| self.graphs.get(&k)) {
+            return g.launch().map_err(gpu);
+        }
+        encode(self, n)?;
+        if let Some(key) = key {
+            match self.capture(encode, n) {
+                Ok(g) => {
+                    self.graphs.insert(key, OwnedGraph(g));
+                }
+                Err(e) => self.graph_error = Some(e.to_string()),
+            }
+        }
+        Ok(())
+    }
+
+    /// Records `encode(self, n)` into a graph (nothing runs during capture).
+    fn capture(
+        &mut self,
+        encode: fn(&mut GpuDSpark, usize) -> Result<(), DraftError>,
+        n: usize,
+    ) -> Result<CudaGraph, DraftError> {
+        let s = self.device.stream.clone();
+        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(gpu)?;
+        let recorded = encode(self, n);
+        let graph = s.end_capture(sys::CUgraphInstantiate_flags(0));
+        recorded?;
+        let graph = graph
+            .map_err(gpu)?
+            .ok_or_else(|| DraftError::Gpu("CUDA graph capture produced no graph".into()))?;
+        graph.upload().map_err(gpu)?;
+        Ok(graph)
+    }
+
+    /// Why graphs were switched off (a failed capture), if they were.
+    pub fn graph_error(&self) -> Option<&str> {
+        self.graph_error.as_deref()
+    }
+
+    /// Graphs captured so far (block passes and context appends).
+    pub fn graph_count(&self) -> usize {
+        self.graphs.len()
+    }
+
+    /// Records CUDA events around every Markov kernel launch from now on (`last_markov_kernel_ms`
+    /// reads them); for benchmarks, which need the kernel's device time apart from its transfers.
+    pub fn set_kernel_timing(&mut self, on: bool) -> Result<(), DraftError> {
+        self.markov_events = if on {
+            let ctx = self.device.stream.context();
+            let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+            Some((
+                ctx.new_event(flags).map_err(gpu)?,
+                ctx.new_event(flags).map_err(gpu)?,
+            ))
+        } else {
+            None
+        };
+        Ok(())
+    }
+
+    /// Device time of the last Markov kernel in ms, when kernel timing is on.
+    pub fn last_markov_kernel_ms(&self) -> Result<Option<f32>, DraftError> {
+        match &self.markov_events {
+            Some((a, b)) => Ok(Some(a.elapsed_ms(b).map_err(gpu)?)),
+            None => Ok(None),
+        }
     }
 
     /// The last block pass's hidden states and base logits on the host, per sequence (parity checks,
@@ -763,12 +968,20 @@ impl GpuDSpark {
         }
         let (ints, floats) = pack_markov_params(params)?;
         let s = self.device.stream.clone();
-        s.memcpy_htod(&ints, &mut self.seq_i.slice_mut(..ints.len()))
+        // Page-locked staging: the uploads and readbacks below are queued without waiting, and the
+        // host synchronises once, after the last readback.
+        self.host_seq_i.as_mut_slice().map_err(gpu)?[..ints.len()].copy_from_slice(&ints);
+        self.host_seq_f.as_mut_slice().map_err(gpu)?[..floats.len()].copy_from_slice(&floats);
+        self.host_uniforms.as_mut_slice().map_err(gpu)?[..uniforms.len()].copy_from_slice(uniforms);
+        s.memcpy_htod(&self.host_seq_i, &mut self.seq_i)
             .map_err(gpu)?;
-        s.memcpy_htod(&floats, &mut self.seq_f.slice_mut(..floats.len()))
+        s.memcpy_htod(&self.host_seq_f, &mut self.seq_f)
             .map_err(gpu)?;
-        s.memcpy_htod(uniforms, &mut self.uniforms.slice_mut(..uniforms.len()))
+        s.memcpy_htod(&self.host_uniforms, &mut self.uniforms)
             .map_err(gpu)?;
+        if let Some((start, _)) = &self.markov_events {
+            start.record(&s).map_err(gpu)?;
+        }
         self.kernels
             .markov_loop(MarkovLoop {
                 batch: b,
@@ -795,20 +1008,28 @@ impl GpuDSpark {
                 status: &mut self.status,
             })
             .map_err(gpu)?;
+        if let Some((_, end)) = &self.markov_events {
+            end.record(&s).map_err(gpu)?;
+        }
         let rows = b * g;
-        let status = s
-            .clone_dtoh(&self.status.slice(..b * STATUS_INTS))
+        s.memcpy_dtoh(&self.status.slice(..b * STATUS_INTS), &mut self.host_status)
             .map_err(gpu)?;
-        let tokens = s.clone_dtoh(&self.tokens.slice(..rows)).map_err(gpu)?;
-        let conf = s.clone_dtoh(&self.conf.slice(..rows)).map_err(gpu)?;
+        s.memcpy_dtoh(&self.tokens.slice(..rows), &mut self.host_tokens)
+            .map_err(gpu)?;
+        s.memcpy_dtoh(&self.conf.slice(..rows), &mut self.host_conf)
+            .map_err(gpu)?;
         // Greedy rows are one-hot at the drafted token (the kernel writes exactly that): built here
         // instead of copied, so greedy proposals move no vocabulary-sized rows.
         let any_sampled = params.iter().any(|p| !p.sampling.is_greedy());
-        let probs = if any_sampled {
-            s.clone_dtoh(&self.probs.slice(..rows * vd)).map_err(gpu)?
-        } else {
-            Vec::new()
-        };
+        if any_sampled {
+            s.memcpy_dtoh(&self.probs.slice(..rows * vd), &mut self.host_probs)
+                .map_err(gpu)?;
+        }
+        s.synchronize().map_err(gpu)?;
+        let status = self.host_status.as_slice().map_err(gpu)?;
+        let tokens = self.host_tokens.as_slice().map_err(gpu)?;
+        let conf = self.host_conf.as_slice().map_err(gpu)?;
+        let probs = self.host_probs.as_slice().map_err(gpu)?;
         let has_conf = self.confidence.is_some();
         let map = self.host_draft_to_target.as_deref();
         let mut out = Vec::with_capacity(b);

@@ -12,8 +12,10 @@
 //!     draft distributions q;
 //! (b) greedy speculative generation with the GPU DSpark drafter and the CPU target equals plain
 //!     greedy generation on 8 prompts (embedded pair) and 4 prompts (fixture pair), k = 7;
-//! (c) timing of one block proposal (k = 7) on GPU and CPU for batch 1 and 4: `propose` wall-clock
-//!     (readback included) and the GPU block pass and Markov loop in CUDA events; median and P90.
+//! (c) timing of one block proposal (k = 7) on GPU and CPU for batch 1 and 4, greedy and sampled at
+//!     T=1: `propose` wall-clock (readback included) and the GPU block pass, the Markov loop with its
+//!     transfers and the Markov kernel alone in CUDA events; median and P90; the GPU with CUDA graphs
+//!     (default) and with every kernel launched directly.
 //!
 //! Exits nonzero on any parity failure.
 //! cargo build --release -p specula-experiments --features cuda --bin gpu_dspark_check
@@ -304,6 +306,27 @@ fn parity_block(
     }
     gpu.block_pass(&blocks)?;
     let outs = gpu.read_block_outputs()?;
+    // The first pass of a batch size runs directly and is captured; the second replays the graph
+    // and must give the same bits.
+    gpu.block_pass(&blocks)?;
+    let replay = gpu.read_block_outputs()?;
+    let identical = outs
+        .iter()
+        .zip(&replay)
+        .all(|(a, b)| a.hidden == b.hidden && a.base_logits == b.base_logits);
+    let how = match (opts.graphs, gpu.graph_error()) {
+        (false, _) => "graphs off".to_string(),
+        (true, None) => format!("graph replay, {} graphs captured", gpu.graph_count()),
+        (true, Some(e)) => format!("graphs switched off by a failed capture: {e}"),
+    };
+    if identical && (!opts.graphs || gpu.graph_error().is_none()) {
+        println!("  second block pass ({how}) bit-identical to the first          ok");
+    } else {
+        tally.fail(format!(
+            "{}: second block pass ({how}) identical to the first: {identical}",
+            pair.name
+        ));
+    }
     let params: Vec<MarkovSeqParams> = blocks
         .iter()
         .map(|b| MarkovSeqParams {
@@ -704,19 +727,24 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
 }
 
 struct TimingRow {
+    graphs: bool,
+    sampling: &'static str,
     batch: usize,
     cpu_wall: (f64, f64),
     gpu_wall: (f64, f64),
     gpu_block: (f64, f64),
     gpu_markov: (f64, f64),
+    gpu_markov_kernel: (f64, f64),
 }
 
-/// (c) One block proposal (k = 7), GPU vs CPU, batch 1 and 4, on the embedded pair.
+/// (c) One block proposal (k = 7), GPU vs CPU, batch 1 and 4, greedy and sampled at temperature 1,
+/// on the embedded pair; the GPU drafter with `opts` (graphs on or off).
 fn timing(
     pair: &Pair,
     device: &Arc<GpuDevice>,
     opts: &GpuDSparkOptions,
     reps: usize,
+    with_cpu: bool,
 ) -> Result<Vec<TimingRow>> {
     let mut cpu = DSparkDrafter::new((pair.make)(&pair.target)?);
     let mut gpu =
@@ -732,7 +760,7 @@ fn timing(
             d.append_target_features(i as u64, 0, &f)?;
         }
     }
-    let propose = |d: &mut DSparkDrafter, batch: usize| -> Result<f64> {
+    let propose = |d: &mut DSparkDrafter, batch: usize, sampling: SamplingParams| -> Result<f64> {
         let mut streams: Vec<ChaCha8Rng> = (0..batch)
             .map(|i| ChaCha8Rng::seed_from_u64(i as u64))
             .collect();
@@ -742,7 +770,7 @@ fn timing(
             .map(|(i, s)| DraftRequest {
                 seq: i as u64,
                 max_tokens: K,
-                sampling: SamplingParams::greedy(),
+                sampling,
                 vocab_limit: vocab,
                 uniforms: s,
             })
@@ -752,63 +780,94 @@ fn timing(
         Ok(t.elapsed().as_secs_f64() * 1e6)
     };
     let mut rows = Vec::new();
-    for batch in [1usize, 4] {
-        let mut cw = Vec::new();
-        let mut gw = Vec::new();
-        for _ in 0..3 {
-            propose(&mut cpu, batch)?;
-            propose(&mut gpu, batch)?;
+    let settings = [
+        ("greedy", SamplingParams::greedy()),
+        (
+            "T=1",
+            SamplingParams {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 1.0,
+            },
+        ),
+    ];
+    for (label, sampling) in settings {
+        for batch in [1usize, 4] {
+            let mut cw = Vec::new();
+            let mut gw = Vec::new();
+            for _ in 0..3 {
+                if with_cpu {
+                    propose(&mut cpu, batch, sampling)?;
+                }
+                propose(&mut gpu, batch, sampling)?;
+            }
+            for _ in 0..reps {
+                if with_cpu {
+                    cw.push(propose(&mut cpu, batch, sampling)?);
+                }
+                gw.push(propose(&mut gpu, batch, sampling)?);
+            }
+            // Device times with CUDA events: the block pass alone, then the Markov loop with its
+            // uploads and readback (it synchronises on its results), and the Markov kernel alone.
+            // The device part of a proposal, re-run on the drafter's own context slots.
+            let blocks: Vec<GpuBlock> = (0..batch as u64)
+                .map(|seq| gpu.gpu_block_of(seq).context("GPU block"))
+                .collect::<Result<_>>()?;
+            let block = gpu.block_size();
+            let g = gpu.gpu().context("GPU backend")?;
+            g.set_kernel_timing(true)?;
+            let s = g.device().stream.clone();
+            let ctx = s.context().clone();
+            let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+            let (e0, e1, e2) = (
+                ctx.new_event(flags)?,
+                ctx.new_event(flags)?,
+                ctx.new_event(flags)?,
+            );
+            let (mut bt, mut mt, mut kt) = (Vec::new(), Vec::new(), Vec::new());
+            let params: Vec<MarkovSeqParams> = blocks
+                .iter()
+                .map(|b| MarkovSeqParams {
+                    anchor: b.anchor,
+                    slots: block,
+                    sampling,
+                    limit: vocab,
+                    confidence_threshold: None,
+                })
+                .collect();
+            let uniforms: Vec<f64> = (0..batch * block)
+                .map(|i| (i as f64 + 0.5) / 64.0 % 1.0)
+                .collect();
+            for _ in 0..reps {
+                e0.record(&s)?;
+                g.block_pass(&blocks)?;
+                e1.record(&s)?;
+                g.markov_loop(&params, &uniforms)?;
+                e2.record(&s)?;
+                e2.synchronize()?;
+                bt.push(e0.elapsed_ms(&e1)? as f64 * 1e3);
+                mt.push(e1.elapsed_ms(&e2)? as f64 * 1e3);
+                kt.push(g.last_markov_kernel_ms()?.context("kernel timing")? as f64 * 1e3);
+            }
+            g.set_kernel_timing(false)?;
+            let p = |v: &mut Vec<f64>| {
+                if v.is_empty() {
+                    (f64::NAN, f64::NAN)
+                } else {
+                    (percentile(v, 0.5), percentile(v, 0.9))
+                }
+            };
+            rows.push(TimingRow {
+                graphs: opts.graphs,
+                sampling: label,
+                batch,
+                cpu_wall: p(&mut cw),
+                gpu_wall: p(&mut gw),
+                gpu_block: p(&mut bt),
+                gpu_markov: p(&mut mt),
+                gpu_markov_kernel: p(&mut kt),
+            });
         }
-        for _ in 0..reps {
-            cw.push(propose(&mut cpu, batch)?);
-            gw.push(propose(&mut gpu, batch)?);
-        }
-        // Device times with CUDA events: the block pass alone, then the Markov loop with its
-        // uploads and readback (it synchronises on its results).
-        // The device part of a proposal, re-run on the drafter's own context slots.
-        let blocks: Vec<GpuBlock> = (0..batch as u64)
-            .map(|seq| gpu.gpu_block_of(seq).context("GPU block"))
-            .collect::<Result<_>>()?;
-        let block = gpu.block_size();
-        let g = gpu.gpu().context("GPU backend")?;
-        let s = g.device().stream.clone();
-        let ctx = s.context().clone();
-        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let (e0, e1, e2) = (
-            ctx.new_event(flags)?,
-            ctx.new_event(flags)?,
-            ctx.new_event(flags)?,
-        );
-        let mut bt = Vec::new();
-        let mut mt = Vec::new();
-        let params: Vec<MarkovSeqParams> = blocks
-            .iter()
-            .map(|b| MarkovSeqParams {
-                anchor: b.anchor,
-                slots: block,
-                sampling: SamplingParams::greedy(),
-                limit: vocab,
-                confidence_threshold: None,
-            })
-            .collect();
-        let uniforms = vec![0.0; batch * block];
-        for _ in 0..reps {
-            e0.record(&s)?;
-            g.block_pass(&blocks)?;
-            e1.record(&s)?;
-            g.markov_loop(&params, &uniforms)?;
-            e2.record(&s)?;
-            e2.synchronize()?;
-            bt.push(e0.elapsed_ms(&e1)? as f64 * 1e3);
-            mt.push(e1.elapsed_ms(&e2)? as f64 * 1e3);
-        }
-        rows.push(TimingRow {
-            batch,
-            cpu_wall: (percentile(&mut cw, 0.5), percentile(&mut cw, 0.9)),
-            gpu_wall: (percentile(&mut gw, 0.5), percentile(&mut gw, 0.9)),
-            gpu_block: (percentile(&mut bt, 0.5), percentile(&mut bt, 0.9)),
-            gpu_markov: (percentile(&mut mt, 0.5), percentile(&mut mt, 0.9)),
-        });
     }
     Ok(rows)
 }
@@ -922,25 +981,44 @@ fn main() -> Result<()> {
     speculative_equality(&mut tally, &fixture_pair, &device, &opts)?;
 
     println!("\n(c) timing one block proposal (k = {K}), {reps} repetitions:");
-    let rows = timing(&default_pair, &device, &opts, reps)?;
+    let mut rows = timing(&default_pair, &device, &opts, reps, true)?;
+    let direct = GpuDSparkOptions {
+        graphs: false,
+        ..opts.clone()
+    };
+    rows.extend(timing(&default_pair, &device, &direct, reps, false)?);
 
     println!("\nsummary ({:.1} s):", started.elapsed().as_secs_f64());
+    println!("  embedded pair, k = {K}, us p50 / p90; block pass and Markov loop (uploads, kernel, readback) in CUDA events");
     println!(
-        "  {:<7} {:>22} {:>22} {:>22} {:>22}",
+        "  {:<7} {:<7} {:<6} {:>18} {:>18} {:>18} {:>22} {:>18}",
+        "graphs",
+        "drafts",
         "batch",
-        "CPU propose us p50/p90",
-        "GPU propose us p50/p90",
-        "GPU block pass us",
-        "GPU Markov+readback us"
+        "CPU propose",
+        "GPU propose",
+        "GPU block pass",
+        "GPU Markov+transfers",
+        "Markov kernel"
     );
+    let f = |v: (f64, f64)| {
+        if v.0.is_nan() {
+            "-".to_string()
+        } else {
+            format!("{:.1} / {:.1}", v.0, v.1)
+        }
+    };
     for r in &rows {
         println!(
-            "  {:<7} {:>22} {:>22} {:>22} {:>22}",
+            "  {:<7} {:<7} {:<6} {:>18} {:>18} {:>18} {:>22} {:>18}",
+            if r.graphs { "on" } else { "off" },
+            r.sampling,
             r.batch,
-            format!("{:.1} / {:.1}", r.cpu_wall.0, r.cpu_wall.1),
-            format!("{:.1} / {:.1}", r.gpu_wall.0, r.gpu_wall.1),
-            format!("{:.1} / {:.1}", r.gpu_block.0, r.gpu_block.1),
-            format!("{:.1} / {:.1}", r.gpu_markov.0, r.gpu_markov.1),
+            f(r.cpu_wall),
+            f(r.gpu_wall),
+            f(r.gpu_block),
+            f(r.gpu_markov),
+            f(r.gpu_markov_kernel),
         );
     }
     println!("  notes: {}", tally.notes.len());
