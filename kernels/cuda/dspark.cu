@@ -11,6 +11,8 @@
 #define DSP_MAX_GROUP 8
 // Row groups of W2 each warp loads before reducing any (loads in flight per thread).
 #define DSP_W2_UNROLL 8
+// 16-byte pieces of a W2 row one lane may take (their e entries live in registers).
+#define DSP_W2_PIECES 4
 
 __device__ __forceinline__ float dsp_bf16_to_f32(unsigned short h) {
     return __uint_as_float(((unsigned int)h) << 16);
@@ -174,11 +176,12 @@ dspark_markov_loop(const float* base_logits, const float* hidden, int g, int vd,
     const float threshold = seq_f[b * DSP_SEQ_FLOATS + 2];
     const int n = draft_to_target ? vd : limit;
     // W2 rows are 16-byte aligned when rank % 8 == 0: then rows are read 8 entries per load, by `lpr`
-    // lanes each (the largest power of two <= min(32, rank / 8)).
-    const bool vec_w2 = (rank & 7) == 0;
+    // lanes each (the largest power of two <= min(32, rank / 8)), up to DSP_W2_PIECES loads per lane
+    // and row (rank <= 1024); other ranks take the scalar loop.
     const int pieces = rank >> 3;
     int lpr = 1;
     while (lpr * 2 <= pieces && lpr < 32) lpr *= 2;
+    const bool vec_w2 = (rank & 7) == 0 && pieces <= DSP_W2_PIECES * lpr;
 
     int code = SPL_OK, detail = 0, fail_slot = 0, drafted = 0;
     int first_allowed = 0;
@@ -219,12 +222,21 @@ dspark_markov_loop(const float* base_logits, const float* hidden, int g, int vd,
         float* mrow = masked + r * vd;
         if (vec_w2) {
             // W2 rows are 16-byte aligned: the rank / 8 pieces of a row are spread over `lpr` lanes
-            // (coalesced: a warp load covers 32 / lpr whole rows), each lane sums its pieces in order,
-            // then the lanes of a row add their sums by shuffles. DSP_W2_UNROLL row groups per warp
-            // are loaded before any is reduced, so each thread keeps several loads in flight: this is
-            // the serial part of every slot (one CTA per sequence), bound by load latency.
+            // (coalesced: a warp load covers 32 / lpr whole rows). A lane always takes the same pieces
+            // (li, li + lpr, ...), so it holds their e entries in registers (shared-memory reads of
+            // different pieces by the lanes of a warp would conflict on banks). Each lane sums its
+            // pieces in order, then the lanes of a row add their sums by shuffles. DSP_W2_UNROLL row
+            // groups per warp are loaded before any is reduced, so each thread keeps several loads in
+            // flight: this is the serial part of every slot (one CTA per sequence), bound by latency.
             const int lane = tid & 31, warp = tid >> 5, n_warps = nt >> 5;
             const int sub = lane / lpr, li = lane % lpr, rpw = 32 / lpr;
+            float er[DSP_W2_PIECES][8];
+#pragma unroll
+            for (int m = 0; m < DSP_W2_PIECES; ++m) {
+                const int piece = li + m * lpr;
+#pragma unroll
+                for (int q = 0; q < 8; ++q) er[m][q] = piece < pieces ? dsp_e[piece * 8 + q] : 0.0f;
+            }
             for (int base = warp * rpw; base < vd; base += n_warps * rpw * DSP_W2_UNROLL) {
                 float acc[DSP_W2_UNROLL];
 #pragma unroll
@@ -233,14 +245,17 @@ dspark_markov_loop(const float* base_logits, const float* hidden, int g, int vd,
                     const int x = base + u * n_warps * rpw + sub;
                     if (x < vd) {
                         const uint4* w = (const uint4*)(w2 + (size_t)x * rank);
-                        for (int piece = li; piece < pieces; piece += lpr) {
-                            const uint4 v = __ldg(w + piece);
-                            const float* e = dsp_e + piece * 8;
-                            const unsigned int words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-                            for (int q = 0; q < 4; ++q) {
-                                acc[u] += dsp_bf16_to_f32((unsigned short)(words[q] & 0xffffu)) * e[2 * q];
-                                acc[u] += dsp_bf16_to_f32((unsigned short)(words[q] >> 16)) * e[2 * q + 1];
+                        for (int m = 0; m < DSP_W2_PIECES; ++m) {
+                            const int piece = li + m * lpr;
+                            if (piece < pieces) {
+                                const uint4 v = __ldg(w + piece);
+                                const unsigned int words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                                for (int q = 0; q < 4; ++q) {
+                                    acc[u] += dsp_bf16_to_f32((unsigned short)(words[q] & 0xffffu)) * er[m][2 * q];
+                                    acc[u] += dsp_bf16_to_f32((unsigned short)(words[q] >> 16)) * er[m][2 * q + 1];
+                                }
                             }
                         }
                     }

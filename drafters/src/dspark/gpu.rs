@@ -155,6 +155,44 @@ fn pinned<T: cudarc::driver::DeviceRepr + ValidAsZeroBits + Default + Copy>(
     Ok(p)
 }
 
+/// A page-locked upload buffer with its own completion event. cudarc orders a pinned buffer's
+/// copies with an event only while the context tracks events, and `GpuDevice` switches tracking off
+/// (graph capture needs that), so without this the host could rewrite the buffer while an earlier
+/// asynchronous upload from it is still queued behind GPU work.
+struct Staging<T> {
+    host: PinnedHostSlice<T>,
+    uploaded: CudaEvent,
+}
+
+impl<T: cudarc::driver::DeviceRepr + ValidAsZeroBits + Default + Copy> Staging<T> {
+    /// A staging buffer as long as its device buffer (every upload copies the whole buffer).
+    fn new(device: &GpuDevice, len: usize) -> Result<Staging<T>, DraftError> {
+        let ctx = device.stream.context();
+        Ok(Staging {
+            host: pinned(device, len, true)?,
+            uploaded: ctx
+                .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                .map_err(gpu)?,
+        })
+    }
+
+    /// The host side, once the previous upload from it has been copied.
+    fn write(&mut self) -> Result<&mut [T], DraftError> {
+        self.uploaded.synchronize().map_err(gpu)?;
+        self.host.as_mut_slice().map_err(gpu)
+    }
+
+    /// Queues the copy of the whole buffer into `dst` and marks its completion.
+    fn upload(
+        &mut self,
+        stream: &Arc<cudarc::driver::CudaStream>,
+        dst: &mut CudaSlice<T>,
+    ) -> Result<(), DraftError> {
+        stream.memcpy_htod(&self.host, dst).map_err(gpu)?;
+        self.uploaded.record(stream).map_err(gpu)
+    }
+}
+
 /// Sections of the packed i32 step inputs, each `rows` long.
 const IN_IDS: usize = 0;
 const IN_POSITIONS: usize = 1;
@@ -209,7 +247,7 @@ pub struct GpuDSpark {
     max_rows: usize,
     /// Block rows of one proposal: max_sequences * g.
     max_block_rows: usize,
-    host_inputs: PinnedHostSlice<i32>,
+    host_inputs: Staging<i32>,
     inputs: CudaSlice<i32>,
     features: CudaSlice<f32>,
     x: CudaSlice<f32>,
@@ -228,9 +266,9 @@ pub struct GpuDSpark {
     seq_f: CudaSlice<f32>,
     uniforms: CudaSlice<f64>,
     /// Page-locked staging of the Markov loop's inputs and results.
-    host_seq_i: PinnedHostSlice<i32>,
-    host_seq_f: PinnedHostSlice<f32>,
-    host_uniforms: PinnedHostSlice<f64>,
+    host_seq_i: Staging<i32>,
+    host_seq_f: Staging<f32>,
+    host_uniforms: Staging<f64>,
     host_status: PinnedHostSlice<i32>,
     host_tokens: PinnedHostSlice<i32>,
     host_conf: PinnedHostSlice<f32>,
@@ -383,7 +421,7 @@ impl GpuDSpark {
             host_draft_to_target: model.draft_to_target.clone(),
             confidence,
             free_slots: (0..opts.max_sequences).rev().collect(),
-            host_inputs: pinned(&device, IN_SECTIONS * max_rows, true)?,
+            host_inputs: Staging::new(&device, IN_SECTIONS * max_rows)?,
             inputs: s.alloc_zeros::<i32>(IN_SECTIONS * max_rows).map_err(gpu)?,
             features: zeros_f32(opts.max_append_rows * d.feature_width)?,
             x: zeros_f32(max_rows * d.h)?,
@@ -405,17 +443,15 @@ impl GpuDSpark {
                 .map_err(gpu)?,
             seq_f: zeros_f32(opts.max_sequences * specula_kernels::cuda::dspark::SEQ_FLOATS)?,
             uniforms: s.alloc_zeros::<f64>(max_block_rows).map_err(gpu)?,
-            host_seq_i: pinned(
+            host_seq_i: Staging::new(
                 &device,
                 opts.max_sequences * specula_kernels::cuda::dspark::SEQ_INTS,
-                true,
             )?,
-            host_seq_f: pinned(
+            host_seq_f: Staging::new(
                 &device,
                 opts.max_sequences * specula_kernels::cuda::dspark::SEQ_FLOATS,
-                true,
             )?,
-            host_uniforms: pinned(&device, max_block_rows, true)?,
+            host_uniforms: Staging::new(&device, max_block_rows)?,
             host_status: pinned(&device, opts.max_sequences * STATUS_INTS, false)?,
             host_tokens: pinned(&device, max_block_rows, false)?,
             host_conf: pinned(&device, max_block_rows, false)?,
@@ -522,17 +558,16 @@ impl GpuDSpark {
         let mr = self.max_rows;
         {
             // Waits for the previous upload from this buffer (an event, not a stream sync).
-            let h = self.host_inputs.as_mut_slice().map_err(gpu)?;
+            let h = self.host_inputs.write()?;
             for i in 0..n {
                 let pos = start + i;
                 h[IN_POSITIONS * mr + i] = int(pos)?;
                 h[IN_SLOTS * mr + i] = int(slot * self.opts.max_context + pos)?;
             }
         }
-        s.memcpy_htod(&self.host_inputs, &mut self.inputs)
-            .map_err(gpu)?;
-        // Pageable: this copy synchronises, but appends follow a verify step whose results the host
-        // already waited for, so the stream is idle here.
+        self.host_inputs.upload(&s, &mut self.inputs)?;
+        // Pageable: the driver has taken the data when the call returns (staged for DMA), so the
+        // caller's slice is free at once; only the small per-row inputs go through pinned staging.
         s.memcpy_htod(features, &mut self.features.slice_mut(..features.len()))
             .map_err(gpu)?;
         let key = (n <= MAX_GRAPH_APPEND_ROWS).then_some(GraphKey::Append(n));
@@ -650,7 +685,7 @@ impl GpuDSpark {
         }
         {
             // Waits for the previous upload from this buffer (an event, not a stream sync).
-            let h = self.host_inputs.as_mut_slice().map_err(gpu)?;
+            let h = self.host_inputs.write()?;
             for (i, blk) in blocks.iter().enumerate() {
                 for j in 0..g {
                     let row = i * g + j;
@@ -664,8 +699,7 @@ impl GpuDSpark {
             }
         }
         let s = self.device.stream.clone();
-        s.memcpy_htod(&self.host_inputs, &mut self.inputs)
-            .map_err(gpu)?;
+        self.host_inputs.upload(&s, &mut self.inputs)?;
         self.launch(Some(GraphKey::Block(blocks.len())), Self::encode_block, n)?;
         self.last_batch = blocks.len();
         Ok(())
@@ -969,16 +1003,14 @@ impl GpuDSpark {
         let (ints, floats) = pack_markov_params(params)?;
         let s = self.device.stream.clone();
         // Page-locked staging: the uploads and readbacks below are queued without waiting, and the
-        // host synchronises once, after the last readback.
-        self.host_seq_i.as_mut_slice().map_err(gpu)?[..ints.len()].copy_from_slice(&ints);
-        self.host_seq_f.as_mut_slice().map_err(gpu)?[..floats.len()].copy_from_slice(&floats);
-        self.host_uniforms.as_mut_slice().map_err(gpu)?[..uniforms.len()].copy_from_slice(uniforms);
-        s.memcpy_htod(&self.host_seq_i, &mut self.seq_i)
-            .map_err(gpu)?;
-        s.memcpy_htod(&self.host_seq_f, &mut self.seq_f)
-            .map_err(gpu)?;
-        s.memcpy_htod(&self.host_uniforms, &mut self.uniforms)
-            .map_err(gpu)?;
+        // host synchronises once, after the last readback (the stream sync is what makes the pinned
+        // results readable: cudarc's own per-buffer events are off with event tracking).
+        self.host_seq_i.write()?[..ints.len()].copy_from_slice(&ints);
+        self.host_seq_f.write()?[..floats.len()].copy_from_slice(&floats);
+        self.host_uniforms.write()?[..uniforms.len()].copy_from_slice(uniforms);
+        self.host_seq_i.upload(&s, &mut self.seq_i)?;
+        self.host_seq_f.upload(&s, &mut self.seq_f)?;
+        self.host_uniforms.upload(&s, &mut self.uniforms)?;
         if let Some((start, _)) = &self.markov_events {
             start.record(&s).map_err(gpu)?;
         }

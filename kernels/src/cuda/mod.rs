@@ -48,6 +48,25 @@ pub const KERNEL_SOURCES: &[(&str, &str)] = &[
 /// The host side stays this build's, so only versions with the same parameter layout can be swapped.
 pub const FUSED_SOURCE_ENV: &str = "SPECULA_FUSED_STEP_CU";
 
+/// The same knob for the DSpark drafter's kernels: the named file replaces `kernels/cuda/dspark.cu`
+/// (still appended to the embedded sampling.cu).
+pub const DSPARK_SOURCE_ENV: &str = "SPECULA_DSPARK_CU";
+
+/// Sources a development knob may replace: (program, variable, the embedded source the replacement
+/// is appended to).
+const SOURCE_OVERRIDES: &[(&str, &str, &str)] = &[
+    (
+        "fused_step.cu",
+        FUSED_SOURCE_ENV,
+        include_str!("../../cuda/decoder.cu"),
+    ),
+    (
+        "dspark.cu",
+        DSPARK_SOURCE_ENV,
+        include_str!("../../cuda/sampling.cu"),
+    ),
+];
+
 /// The kernels each source must export, by file name (the compile test checks every one).
 pub const EXPORTED_KERNELS: &[(&str, &[&str])] = &[
     ("decoder.cu", DECODER_KERNELS),
@@ -182,24 +201,18 @@ fn compile_uncached(file: &str, arch: &str) -> Result<Ptx, CudaError> {
         .find(|(name, _)| *name == file)
         .map(|(_, src)| *src)
         .ok_or_else(|| CudaError::Shape(format!("no kernel source named {file}")))?;
-    let overridden = match std::env::var_os(FUSED_SOURCE_ENV) {
-        Some(path) if file == "fused_step.cu" => {
-            let fused = std::fs::read_to_string(&path).map_err(|e| {
-                CudaError::Shape(format!(
-                    "{FUSED_SOURCE_ENV}={}: {e}",
-                    path.to_string_lossy()
-                ))
-            })?;
-            tracing::warn!(
-                "{FUSED_SOURCE_ENV}: fused_step.cu replaced by {}",
-                path.to_string_lossy()
-            );
-            Some(format!(
-                "{}\n{fused}",
-                include_str!("../../cuda/decoder.cu")
-            ))
+    let knob = SOURCE_OVERRIDES
+        .iter()
+        .find(|(name, _, _)| *name == file)
+        .and_then(|&(_, var, base)| std::env::var_os(var).map(|path| (var, base, path)));
+    let overridden = match knob {
+        Some((var, base, path)) => {
+            let replacement = std::fs::read_to_string(&path)
+                .map_err(|e| CudaError::Shape(format!("{var}={}: {e}", path.to_string_lossy())))?;
+            tracing::warn!("{var}: {file} replaced by {}", path.to_string_lossy());
+            Some(format!("{base}\n{replacement}"))
         }
-        _ => None,
+        None => None,
     };
     let src = overridden.as_deref().unwrap_or(embedded);
     let opts = CompileOptions {
