@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The DSpark drafter on the lent H200 in one device call (issue 8): gpu_dspark_check (parity with the
+# CPU drafter, greedy speculation = plain greedy, proposal timing with CUDA graphs on and off and the
+# Markov kernel alone), optionally the same check with another dspark.cu loaded through
+# SPECULA_DSPARK_CU (an A/B of the Markov kernel; file .carry/bin/dspark_old.cu if present), the
+# drafter-cost comparison with the draft model (experiments/run_gpu_drafter_cost_h200.sh, PROMPTS
+# prompts), and the engine check (gpu_e2e_check). Binaries built here and packed as
+# experiments/fused/run_fused_h200.sh describes; the DeepSpec fixture travels as .carry/fixtures:
+#   run(command="mkdir -p .carry && tar -xJf .carry/pack/bin.tar.xz -C .carry && OUT=$OUT bash experiments/run_gpu_dspark_h200.sh",
+#       carry=[".carry/pack", ".carry/fixtures"], timeout_s=600)
+# Writes $OUT/gpu_dspark_check.txt (and _ab.txt), $OUT/drafter_cost.txt + drafter_cost_runs.tgz,
+# $OUT/gpu_e2e_check_h200.txt; prints the timing tables last.
+set -uo pipefail
+out=${OUT:-/tmp/dspark_out}
+mkdir -p "$out"
+bin=${SPECULA_BIN:-.carry/bin}
+libs=$(python3 -c "import nvidia, glob, os; print(':'.join(sorted({os.path.dirname(p) for b in nvidia.__path__ for p in glob.glob(os.path.join(b, '**', 'lib*.so*'), recursive=True)})))" 2>/dev/null)
+export LD_LIBRARY_PATH="${libs}:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fixture=${FIXTURE:-$PWD/.carry/fixtures/dspark-deepspec}
+header() { date -u; cat "$bin/fused.rev" 2>/dev/null; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null; }
+{ header; timeout 240 "$bin/gpu_dspark_check" --root "$PWD" --fixture "$fixture" --reps 50; echo "exit $?"; } > "$out/gpu_dspark_check.txt" 2>&1
+if [ -f "$bin/dspark_old.cu" ]; then
+  { header; echo "SPECULA_DSPARK_CU=$bin/dspark_old.cu"; SPECULA_DSPARK_CU="$bin/dspark_old.cu" timeout 240 "$bin/gpu_dspark_check" --root "$PWD" --fixture "$fixture" --reps 50; echo "exit $?"; } > "$out/gpu_dspark_check_ab.txt" 2>&1
+fi
+mkdir -p "$out/runs"
+PROMPTS=${PROMPTS:-20} OUT="$out/runs" bash experiments/run_gpu_drafter_cost_h200.sh > "$out/drafter_cost.txt" 2>&1
+tar -czf "$out/drafter_cost_runs.tgz" -C "$out" runs && rm -rf "$out/runs"
+if [ -z "${SKIP_ENGINE:-}" ]; then
+  { header; timeout 300 "$bin/gpu_e2e_check" --root "$PWD"; echo "exit $?"; } > "$out/gpu_e2e_check_h200.txt" 2>&1
+  tail -2 "$out/gpu_e2e_check_h200.txt"
+fi
+for f in gpu_dspark_check.txt gpu_dspark_check_ab.txt; do
+  [ -f "$out/$f" ] && { echo "== $f"; grep -A12 "^summary" "$out/$f"; grep "FAIL\|^exit" "$out/$f" | head -12; }
+done
+tail -6 "$out/drafter_cost.txt"
