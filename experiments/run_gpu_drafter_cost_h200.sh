@@ -7,7 +7,7 @@
 # `--features cuda` and packed as experiments/fused/run_fused_h200.sh describes; then:
 #   run(command="mkdir -p .carry && tar -xJf .carry/pack/bin.tar.xz -C .carry && OUT=$OUT bash experiments/run_gpu_drafter_cost_h200.sh",
 #       carry=[".carry/pack"], timeout_s=300)
-# Not run yet (session 7 had no device time left); a CPU dry run (--device cpu) checked the script.
+# Tables: experiments/drafter_cost_table.py (pooled per drafter, then the prompts paired).
 set -uo pipefail
 n=${PROMPTS:-2}
 max=${MAX_TOKENS:-256}
@@ -30,22 +30,4 @@ for i in $(seq 1 "$n"); do
     done
   done
 done
-python3 - "$out" <<'PY'
-import glob, json, os, sys
-out = sys.argv[1]
-rows = {}
-for f in sorted(glob.glob(os.path.join(out, "p*_t*_*.json"))):
-    try:
-        s = json.load(open(f))["stats"]
-    except Exception as e:
-        print(f"{os.path.basename(f)}: no stats ({e})"); continue
-    key = (os.path.basename(f).split("_")[1], s["drafter"])
-    r = rows.setdefault(key, [0, 0, 0.0, 0.0, 0, 0.0])
-    r[0] += s["num_verify_steps"]; r[1] += s["accepted_tokens"]; r[2] += s["draft_ms"]; r[3] += s["verify_ms"]
-    r[4] += s["generated_tokens"]; r[5] += s["total_ms"] - s["prefill_ms"]
-print(open(os.path.join(out, "header.txt")).read().strip())
-print("| T | drafter | verify steps | AL (pooled) | draft ms / step | verify ms / step | decode tok/s (generated / decode wall) |")
-print("|---|---|---:|---:|---:|---:|---:|")
-for (t, d), r in sorted(rows.items()):
-    print(f"| {t[1:]} | {d} | {r[0]} | {1 + r[1] / r[0]:.2f} | {r[2] / r[0]:.3f} | {r[3] / r[0]:.3f} | {r[4] / (r[5] / 1e3):.0f} |")
-PY
+python3 experiments/drafter_cost_table.py "$out"
