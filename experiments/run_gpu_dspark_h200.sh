@@ -32,4 +32,4 @@ fi
 for f in gpu_dspark_check.txt gpu_dspark_check_ab.txt; do
   [ -f "$out/$f" ] && { echo "== $f"; grep -A12 "^summary" "$out/$f"; grep "FAIL\|^exit" "$out/$f" | head -12; }
 done
-tail -6 "$out/drafter_cost.txt"
+tail -12 "$out/drafter_cost.txt"
