@@ -9,10 +9,8 @@
 
 #define DSP_ATTN_THREADS 256
 #define DSP_MAX_GROUP 8
-// Row groups of W2 each warp loads before reducing any (loads in flight per thread).
-#define DSP_W2_UNROLL 8
-// 16-byte pieces of a W2 row one lane may take (their e entries live in registers).
-#define DSP_W2_PIECES 4
+// Row groups of W2 each warp loads before using any (loads in flight per thread).
+#define DSP_W2_UNROLL 16
 
 __device__ __forceinline__ float dsp_bf16_to_f32(unsigned short h) {
     return __uint_as_float(((unsigned int)h) << 16);
@@ -175,13 +173,12 @@ dspark_markov_loop(const float* base_logits, const float* hidden, int g, int vd,
     const float top_p = seq_f[b * DSP_SEQ_FLOATS + 1];
     const float threshold = seq_f[b * DSP_SEQ_FLOATS + 2];
     const int n = draft_to_target ? vd : limit;
-    // W2 rows are 16-byte aligned when rank % 8 == 0: then rows are read 8 entries per load, by `lpr`
-    // lanes each (the largest power of two <= min(32, rank / 8)), up to DSP_W2_PIECES loads per lane
-    // and row (rank <= 1024); other ranks take the scalar loop.
-    const int pieces = rank >> 3;
-    int lpr = 1;
-    while (lpr * 2 <= pieces && lpr < 32) lpr *= 2;
-    const bool vec_w2 = (rank & 7) == 0 && pieces <= DSP_W2_PIECES * lpr;
+    // W2 rows are 16-byte aligned when rank % 8 == 0: then rows are read 8 entries per load. When rank / 8
+    // is a power of two <= 32 (rank 8 .. 256), lanes share rows (`lane_rows`, lpr = rank / 8 lanes per
+    // row); otherwise each thread reads whole rows.
+    const bool vec_w2 = (rank & 7) == 0;
+    const int lpr = rank >> 3;
+    const bool lane_rows = vec_w2 && lpr >= 1 && lpr <= 32 && (lpr & (lpr - 1)) == 0;
 
     int code = SPL_OK, detail = 0, fail_slot = 0, drafted = 0;
     int first_allowed = 0;
@@ -220,57 +217,62 @@ dspark_markov_loop(const float* base_logits, const float* hidden, int g, int vd,
         const float* brow = base_logits + r * vd;
         float* crow = corrected + r * vd;
         float* mrow = masked + r * vd;
-        if (vec_w2) {
-            // W2 rows are 16-byte aligned: the rank / 8 pieces of a row are spread over `lpr` lanes
-            // (coalesced: a warp load covers 32 / lpr whole rows). A lane always takes the same pieces
-            // (li, li + lpr, ...), so it holds their e entries in registers (shared-memory reads of
-            // different pieces by the lanes of a warp would conflict on banks). Each lane sums its
-            // pieces in order, then the lanes of a row add their sums by shuffles. DSP_W2_UNROLL row
-            // groups per warp are loaded before any is reduced, so each thread keeps several loads in
-            // flight: this is the serial part of every slot (one CTA per sequence), bound by latency.
+        if (lane_rows) {
+            // rank / 8 = lpr 16-byte pieces per W2 row, one per lane: a warp load covers 32 / lpr whole
+            // rows (coalesced), and a lane always takes the same piece, so its 8 e entries live in
+            // registers (shared-memory reads of different pieces would conflict on banks). The
+            // DSP_W2_UNROLL loads of a row group are issued unconditionally (row index clamped; the
+            // clamped rows' sums are dropped) before any is used: this product is the serial part of
+            // every slot (one CTA per sequence), bound by load latency, and loads under a branch were
+            // measured to go out one at a time (1.1 ms for the loop instead of 0.32).
             const int lane = tid & 31, warp = tid >> 5, n_warps = nt >> 5;
             const int sub = lane / lpr, li = lane % lpr, rpw = 32 / lpr;
-            float er[DSP_W2_PIECES][8];
+            float er[8];
 #pragma unroll
-            for (int m = 0; m < DSP_W2_PIECES; ++m) {
-                const int piece = li + m * lpr;
-#pragma unroll
-                for (int q = 0; q < 8; ++q) er[m][q] = piece < pieces ? dsp_e[piece * 8 + q] : 0.0f;
-            }
-            for (int base = warp * rpw; base < vd; base += n_warps * rpw * DSP_W2_UNROLL) {
-                float acc[DSP_W2_UNROLL];
+            for (int q = 0; q < 8; ++q) er[q] = dsp_e[li * 8 + q];
+            const int stride = n_warps * rpw;
+            for (int base = warp * rpw + sub; base < vd + sub; base += stride * DSP_W2_UNROLL) {
+                uint4 v[DSP_W2_UNROLL];
 #pragma unroll
                 for (int u = 0; u < DSP_W2_UNROLL; ++u) {
-                    acc[u] = 0.0f;
-                    const int x = base + u * n_warps * rpw + sub;
-                    if (x < vd) {
-                        const uint4* w = (const uint4*)(w2 + (size_t)x * rank);
-#pragma unroll
-                        for (int m = 0; m < DSP_W2_PIECES; ++m) {
-                            const int piece = li + m * lpr;
-                            if (piece < pieces) {
-                                const uint4 v = __ldg(w + piece);
-                                const unsigned int words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                                for (int q = 0; q < 4; ++q) {
-                                    acc[u] += dsp_bf16_to_f32((unsigned short)(words[q] & 0xffffu)) * er[m][2 * q];
-                                    acc[u] += dsp_bf16_to_f32((unsigned short)(words[q] >> 16)) * er[m][2 * q + 1];
-                                }
-                            }
-                        }
-                    }
+                    const int x = min(base + u * stride, vd - 1);
+                    v[u] = __ldg((const uint4*)(w2 + (size_t)x * rank) + li);
                 }
 #pragma unroll
                 for (int u = 0; u < DSP_W2_UNROLL; ++u) {
-                    // Every lane takes part (base is warp-uniform), so the full-mask shuffles are safe.
-                    for (int off = lpr >> 1; off > 0; off >>= 1) acc[u] += __shfl_xor_sync(0xffffffffu, acc[u], off);
-                    const int x = base + u * n_warps * rpw + sub;
+                    const unsigned int words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+                    float acc = 0.0f;
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        acc += dsp_bf16_to_f32((unsigned short)(words[q] & 0xffffu)) * er[2 * q];
+                        acc += dsp_bf16_to_f32((unsigned short)(words[q] >> 16)) * er[2 * q + 1];
+                    }
+                    // Every lane takes part (the loop bounds are warp-uniform), so full-mask shuffles are safe.
+                    for (int off = lpr >> 1; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+                    const int x = base + u * stride;
                     if (li == 0 && x < vd) {
-                        const float v = brow[x] + acc[u];
-                        crow[x] = v;
-                        if (draft_to_target) mrow[x] = draft_to_target[x] < limit ? v : SPL_F32_NEG_INF;
+                        const float val = brow[x] + acc;
+                        crow[x] = val;
+                        if (draft_to_target) mrow[x] = draft_to_target[x] < limit ? val : SPL_F32_NEG_INF;
                     }
                 }
+            }
+        } else if (vec_w2) {
+            for (int x = tid; x < vd; x += nt) {
+                const unsigned short* w = w2 + (size_t)x * rank;
+                float acc = 0.0f;
+                for (int c = 0; c < rank; c += 8) {
+                    uint4 v = *(const uint4*)(w + c);
+                    unsigned int words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        acc += dsp_bf16_to_f32((unsigned short)(words[q] & 0xffffu)) * dsp_e[c + 2 * q];
+                        acc += dsp_bf16_to_f32((unsigned short)(words[q] >> 16)) * dsp_e[c + 2 * q + 1];
+                    }
+                }
+                const float v = brow[x] + acc;
+                crow[x] = v;
+                if (draft_to_target) mrow[x] = draft_to_target[x] < limit ? v : SPL_F32_NEG_INF;
             }
         } else {
             for (int x = tid; x < vd; x += nt) {
