@@ -4,7 +4,7 @@
 # Markov kernel alone), optionally the same check with another dspark.cu loaded through
 # SPECULA_DSPARK_CU (an A/B of the Markov kernel; file .carry/bin/dspark_old.cu if present), the
 # drafter-cost comparison with the draft model (experiments/run_gpu_drafter_cost_h200.sh, PROMPTS
-# prompts), and the engine check (gpu_e2e_check). Binaries built here and packed as
+# prompts; with COST_AB=1 once more with the other dspark.cu), and the engine check (gpu_e2e_check). Binaries built here and packed as
 # experiments/fused/run_fused_h200.sh describes; the DeepSpec fixture travels as .carry/fixtures:
 #   run(command="mkdir -p .carry && tar -xJf .carry/pack/bin.tar.xz -C .carry && OUT=$OUT bash experiments/run_gpu_dspark_h200.sh",
 #       carry=[".carry/pack", ".carry/fixtures"], timeout_s=600)
@@ -25,6 +25,11 @@ fi
 mkdir -p "$out/runs"
 PROMPTS=${PROMPTS:-20} OUT="$out/runs" bash experiments/run_gpu_drafter_cost_h200.sh > "$out/drafter_cost.txt" 2>&1
 tar -czf "$out/drafter_cost_runs.tgz" -C "$out" runs && rm -rf "$out/runs"
+if [ -f "$bin/dspark_old.cu" ] && [ -n "${COST_AB:-}" ]; then
+  mkdir -p "$out/runs"
+  SPECULA_DSPARK_CU="$bin/dspark_old.cu" PROMPTS=${PROMPTS:-20} OUT="$out/runs" bash experiments/run_gpu_drafter_cost_h200.sh > "$out/drafter_cost_ab.txt" 2>&1
+  tar -czf "$out/drafter_cost_ab_runs.tgz" -C "$out" runs && rm -rf "$out/runs"
+fi
 if [ -z "${SKIP_ENGINE:-}" ]; then
   { header; timeout 300 "$bin/gpu_e2e_check" --root "$PWD"; echo "exit $?"; } > "$out/gpu_e2e_check_h200.txt" 2>&1
   tail -2 "$out/gpu_e2e_check_h200.txt"
@@ -33,3 +38,4 @@ for f in gpu_dspark_check.txt gpu_dspark_check_ab.txt; do
   [ -f "$out/$f" ] && { echo "== $f"; grep -A12 "^summary" "$out/$f"; grep "FAIL\|^exit" "$out/$f" | head -12; }
 done
 tail -12 "$out/drafter_cost.txt"
+[ -f "$out/drafter_cost_ab.txt" ] && { echo "== drafter cost with SPECULA_DSPARK_CU=$bin/dspark_old.cu"; tail -12 "$out/drafter_cost_ab.txt"; }
