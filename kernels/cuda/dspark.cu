@@ -9,8 +9,6 @@
 
 #define DSP_ATTN_THREADS 256
 #define DSP_MAX_GROUP 8
-// Row groups of W2 each warp loads before using any (loads in flight per thread).
-#define DSP_W2_UNROLL 16
 
 __device__ __forceinline__ float dsp_bf16_to_f32(unsigned short h) {
     return __uint_as_float(((unsigned int)h) << 16);
@@ -173,12 +171,8 @@ dspark_markov_loop(const float* base_logits, const float* hidden, int g, int vd,
     const float top_p = seq_f[b * DSP_SEQ_FLOATS + 1];
     const float threshold = seq_f[b * DSP_SEQ_FLOATS + 2];
     const int n = draft_to_target ? vd : limit;
-    // W2 rows are 16-byte aligned when rank % 8 == 0: then rows are read 8 entries per load. When rank / 8
-    // is a power of two <= 32 (rank 8 .. 256), lanes share rows (`lane_rows`, lpr = rank / 8 lanes per
-    // row); otherwise each thread reads whole rows.
+    // W2 rows are 16-byte aligned when rank % 8 == 0: then each thread reads its rows 8 entries per load.
     const bool vec_w2 = (rank & 7) == 0;
-    const int lpr = rank >> 3;
-    const bool lane_rows = vec_w2 && lpr >= 1 && lpr <= 32 && (lpr & (lpr - 1)) == 0;
 
     int code = SPL_OK, detail = 0, fail_slot = 0, drafted = 0;
     int first_allowed = 0;
@@ -217,50 +211,10 @@ dspark_markov_loop(const float* base_logits, const float* hidden, int g, int vd,
         const float* brow = base_logits + r * vd;
         float* crow = corrected + r * vd;
         float* mrow = masked + r * vd;
-        if (lane_rows) {
-            // rank / 8 = lpr 16-byte pieces per W2 row, one per lane: a warp load covers 32 / lpr whole
-            // rows (coalesced), and a lane always takes the same piece, so its 8 e entries live in
-            // registers (shared-memory reads of different pieces would conflict on banks). The
-            // DSP_W2_UNROLL loads of a row group are issued unconditionally (row index clamped; the
-            // clamped rows' sums are dropped) before any is used: this product is the serial part of
-            // every slot (one CTA per sequence), bound by load latency, and loads under a branch were
-            // measured to go out one at a time (1.1 ms for the loop instead of 0.32).
-            const int lane = tid & 31, warp = tid >> 5, n_warps = nt >> 5;
-            const int sub = lane / lpr, li = lane % lpr, rpw = 32 / lpr;
-            float er[8];
-#pragma unroll
-            for (int q = 0; q < 8; ++q) er[q] = dsp_e[li * 8 + q];
-            const int stride = n_warps * rpw;
-            for (int base = warp * rpw + sub; base < vd + sub; base += stride * DSP_W2_UNROLL) {
-                uint4 v[DSP_W2_UNROLL];
-#pragma unroll
-                for (int u = 0; u < DSP_W2_UNROLL; ++u) {
-                    const int x = min(base + u * stride, vd - 1);
-                    v[u] = __ldg((const uint4*)(w2 + (size_t)x * rank) + li);
-                }
-#pragma unroll
-                for (int u = 0; u < DSP_W2_UNROLL; ++u) {
-                    const unsigned int words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-                    float acc = 0.0f;
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) {
-                        acc += dsp_bf16_to_f32((unsigned short)(words[q] & 0xffffu)) * er[2 * q];
-                        acc += dsp_bf16_to_f32((unsigned short)(words[q] >> 16)) * er[2 * q + 1];
-                    }
-                    // Every lane takes part (the loop bounds are warp-uniform), so full-mask shuffles are safe.
-                    for (int off = lpr >> 1; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-                    const int x = base + u * stride;
-                    if (li == 0 && x < vd) {
-                        const float val = brow[x] + acc;
-                        crow[x] = val;
-                        if (draft_to_target) mrow[x] = draft_to_target[x] < limit ? val : SPL_F32_NEG_INF;
-                    }
-                }
-            }
-        } else if (vec_w2) {
-            for (int x = tid; x < vd; x += nt) {
-                const unsigned short* w = w2 + (size_t)x * rank;
-                float acc = 0.0f;
+        for (int x = tid; x < vd; x += nt) {
+            const unsigned short* w = w2 + (size_t)x * rank;
+            float acc = 0.0f;
+            if (vec_w2) {
                 for (int c = 0; c < rank; c += 8) {
                     uint4 v = *(const uint4*)(w + c);
                     unsigned int words[4] = {v.x, v.y, v.z, v.w};
@@ -270,19 +224,12 @@ dspark_markov_loop(const float* base_logits, const float* hidden, int g, int vd,
                         acc += dsp_bf16_to_f32((unsigned short)(words[q] >> 16)) * dsp_e[c + 2 * q + 1];
                     }
                 }
-                const float v = brow[x] + acc;
-                crow[x] = v;
-                if (draft_to_target) mrow[x] = draft_to_target[x] < limit ? v : SPL_F32_NEG_INF;
-            }
-        } else {
-            for (int x = tid; x < vd; x += nt) {
-                const unsigned short* w = w2 + (size_t)x * rank;
-                float acc = 0.0f;
+            } else {
                 for (int c = 0; c < rank; ++c) acc += dsp_bf16_to_f32(w[c]) * dsp_e[c];
-                const float v = brow[x] + acc;
-                crow[x] = v;
-                if (draft_to_target) mrow[x] = draft_to_target[x] < limit ? v : SPL_F32_NEG_INF;
             }
+            const float v = brow[x] + acc;
+            crow[x] = v;
+            if (draft_to_target) mrow[x] = draft_to_target[x] < limit ? v : SPL_F32_NEG_INF;
         }
         __syncthreads();
         float* prow = probs + r * vd;
