@@ -22,6 +22,17 @@ header() { date -u; cat "$bin/fused.rev" 2>/dev/null; nvidia-smi --query-gpu=nam
 if [ -f "$bin/dspark_old.cu" ]; then
   { header; echo "SPECULA_DSPARK_CU=$bin/dspark_old.cu"; SPECULA_DSPARK_CU="$bin/dspark_old.cu" timeout 240 "$bin/gpu_dspark_check" --root "$PWD" --fixture "$fixture" --reps 50; echo "exit $?"; } > "$out/gpu_dspark_check_ab.txt" 2>&1
 fi
+# Candidate Markov kernels (experiments/dspark/candidates/*.patch applied to kernels/cuda/dspark.cu here:
+#   mkdir -p .carry/pack/dspark_candidates; for p in experiments/dspark/candidates/*.patch; do
+#     c=.carry/pack/dspark_candidates/$(basename "$p" .patch).cu; cp kernels/cuda/dspark.cu "$c"; patch -s "$c" < "$p"; done
+# ), each through SPECULA_DSPARK_CU with --reps 20; one file per candidate; ONLY_CANDIDATES=1 stops after them.
+for c in ${DSPARK_AB_DIR:-.carry/pack/dspark_candidates}/*.cu; do
+  [ -f "$c" ] || continue
+  name=$(basename "$c" .cu)
+  { header; echo "SPECULA_DSPARK_CU=$c"; SPECULA_DSPARK_CU="$c" timeout 120 "$bin/gpu_dspark_check" --root "$PWD" --fixture "$fixture" --reps 20; echo "exit $?"; } > "$out/candidate_$name.txt" 2>&1
+  echo "== candidate $name"; grep -A12 "^summary" "$out/candidate_$name.txt"; grep "FAIL\|^exit" "$out/candidate_$name.txt" | head -5
+done
+[ -n "${ONLY_CANDIDATES:-}" ] && exit 0
 mkdir -p "$out/runs"
 PROMPTS=${PROMPTS:-20} OUT="$out/runs" bash experiments/run_gpu_drafter_cost_h200.sh > "$out/drafter_cost.txt" 2>&1
 tar -czf "$out/drafter_cost_runs.tgz" -C "$out" runs && rm -rf "$out/runs"
