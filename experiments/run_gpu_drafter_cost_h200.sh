@@ -17,7 +17,7 @@ mkdir -p "$out"
 libs=$(python3 -c "import nvidia, glob, os; print(':'.join(sorted({os.path.dirname(p) for b in nvidia.__path__ for p in glob.glob(os.path.join(b, '**', 'lib*.so*'), recursive=True)})))" 2>/dev/null)
 export LD_LIBRARY_PATH="${libs}:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export SPECULA_DEFAULT_MODELS=${SPECULA_DEFAULT_MODELS:-$PWD/models/default}
-{ date -u; cat "$bin/fused.rev" 2>/dev/null; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null; } > "$out/header.txt"
+{ date -u; cat "$bin/fused.rev" 2>/dev/null; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null; env | grep -E "^SPECULA_(DSPARK_CU|FUSED_STEP_CU)=" | sed "s/^/kernel source override: /"; } > "$out/header.txt"
 for i in $(seq 1 "$n"); do
   prompt=$(sed -n "${i}p" experiments/prompts/heldback.jsonl | python3 -c 'import json, sys; print(json.loads(sys.stdin.read())["turns"][0], end="")')
   for t in 1 0; do
