@@ -11,48 +11,61 @@ mod common;
 
 use specula_kernels::cuda::{compile_source, DSPARK_SOURCE_ENV, FUSED_SOURCE_ENV};
 
+/// Points `var` at a missing file (compiling `program` must fail naming both), then at `shipped` plus
+/// `marker` (a kernel named `marker_entry` that uses something of the embedded base source): the PTX
+/// must hold the marker and `shipped_entry`.
+fn check_override(
+    var: &str,
+    program: &str,
+    shipped: &str,
+    marker: &str,
+    marker_entry: &str,
+    shipped_entry: &str,
+) {
+    let dir =
+        std::env::temp_dir().join(format!("specula-override-{program}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+
+    let missing = dir.join("no-such-file.cu");
+    std::env::set_var(var, &missing);
+    let err = compile_source(program, "sm_90").unwrap_err().to_string();
+    assert!(
+        err.contains(var) && err.contains("no-such-file.cu"),
+        "{err}"
+    );
+
+    let candidate = dir.join("candidate.cu");
+    std::fs::write(&candidate, format!("{shipped}{marker}")).unwrap();
+    std::env::set_var(var, &candidate);
+    let ptx = compile_source(program, "sm_90")
+        .unwrap_or_else(|e| panic!("{e}"))
+        .to_src();
+    assert!(
+        ptx.contains(&format!(".entry {marker_entry}(")),
+        "the override was not compiled"
+    );
+    assert!(
+        ptx.contains(&format!(".entry {shipped_entry}(")),
+        "the candidate lost {shipped_entry}"
+    );
+    std::env::remove_var(var);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn the_override_is_what_compiles_and_a_missing_file_is_a_clear_error() {
     if !common::nvrtc_or_skip() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("specula-fused-override-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-
-    let missing = dir.join("no-such-file.cu");
-    std::env::set_var(FUSED_SOURCE_ENV, &missing);
-    let err = compile_source("fused_step.cu", "sm_90")
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains(FUSED_SOURCE_ENV) && err.contains("no-such-file.cu"),
-        "{err}"
+    // The marker calls a decoder.cu device function: decoder.cu still comes first.
+    check_override(
+        FUSED_SOURCE_ENV,
+        "fused_step.cu",
+        include_str!("../cuda/fused_step.cu"),
+        "\nextern \"C\" __global__ void override_marker(float* x) { x[0] = bf16_to_f32(0); }\n",
+        "override_marker",
+        "fused_forward",
     );
-
-    // A candidate: the shipped source plus one marker kernel that calls a decoder.cu device function,
-    // so the PTX shows both that the file was read and that decoder.cu still comes first.
-    let candidate = dir.join("candidate.cu");
-    let marker =
-        "\nextern \"C\" __global__ void override_marker(float* x) { x[0] = bf16_to_f32(0); }\n";
-    std::fs::write(
-        &candidate,
-        format!("{}{marker}", include_str!("../cuda/fused_step.cu")),
-    )
-    .unwrap();
-    std::env::set_var(FUSED_SOURCE_ENV, &candidate);
-    let ptx = compile_source("fused_step.cu", "sm_90")
-        .unwrap_or_else(|e| panic!("{e}"))
-        .to_src();
-    assert!(
-        ptx.contains(".entry override_marker("),
-        "the override was not compiled"
-    );
-    assert!(
-        ptx.contains(".entry fused_forward("),
-        "the candidate lost the fused kernel"
-    );
-    std::env::remove_var(FUSED_SOURCE_ENV);
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]
@@ -60,39 +73,13 @@ fn the_dspark_override_is_what_compiles_and_a_missing_file_is_a_clear_error() {
     if !common::nvrtc_or_skip() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("specula-dspark-override-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-
-    let missing = dir.join("no-such-file.cu");
-    std::env::set_var(DSPARK_SOURCE_ENV, &missing);
-    let err = compile_source("dspark.cu", "sm_90")
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains(DSPARK_SOURCE_ENV) && err.contains("no-such-file.cu"),
-        "{err}"
+    // The marker uses a sampling.cu macro: sampling.cu still comes first.
+    check_override(
+        DSPARK_SOURCE_ENV,
+        "dspark.cu",
+        include_str!("../cuda/dspark.cu"),
+        "\nextern \"C\" __global__ void dspark_override_marker(int* x) { x[0] = SPL_PROBS_THREADS; }\n",
+        "dspark_override_marker",
+        "dspark_markov_loop",
     );
-
-    // The shipped source plus a marker kernel that uses a sampling.cu macro (sampling.cu first).
-    let candidate = dir.join("candidate.cu");
-    let marker = "\nextern \"C\" __global__ void dspark_override_marker(int* x) { x[0] = SPL_PROBS_THREADS; }\n";
-    std::fs::write(
-        &candidate,
-        format!("{}{marker}", include_str!("../cuda/dspark.cu")),
-    )
-    .unwrap();
-    std::env::set_var(DSPARK_SOURCE_ENV, &candidate);
-    let ptx = compile_source("dspark.cu", "sm_90")
-        .unwrap_or_else(|e| panic!("{e}"))
-        .to_src();
-    assert!(
-        ptx.contains(".entry dspark_override_marker("),
-        "the override was not compiled"
-    );
-    assert!(
-        ptx.contains(".entry dspark_markov_loop("),
-        "the candidate lost the Markov loop"
-    );
-    std::env::remove_var(DSPARK_SOURCE_ENV);
-    std::fs::remove_dir_all(&dir).ok();
 }
