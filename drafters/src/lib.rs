@@ -42,6 +42,13 @@ pub enum DraftError {
     Gpu(String),
 }
 
+#[cfg(feature = "cuda")]
+impl From<specula_kernels::cuda::CudaError> for DraftError {
+    fn from(e: specula_kernels::cuda::CudaError) -> Self {
+        DraftError::Gpu(e.to_string())
+    }
+}
+
 /// What one sequence asks of the drafter in one step.
 pub struct DraftRequest<'a> {
     pub seq: SeqKey,

@@ -39,3 +39,10 @@ pub enum ModelError {
     #[error("GPU: {0}")]
     Gpu(String),
 }
+
+#[cfg(feature = "cuda")]
+impl From<specula_kernels::cuda::CudaError> for ModelError {
+    fn from(e: specula_kernels::cuda::CudaError) -> Self {
+        ModelError::Gpu(e.to_string())
+    }
+}

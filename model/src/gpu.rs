@@ -19,11 +19,10 @@ use crate::config::ModelConfig;
 use crate::random::{self, TensorKind};
 use crate::transformer::Transformer;
 use crate::ModelError;
-use cudarc::driver::{
-    sys, CudaFunction, CudaGraph, CudaSlice, CudaView, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use specula_kernels::cuda::{
-    launch, CudaError, Gemm, GpuDevice, KernelArg, LinearBackend, LinearChoice,
+    capture_graph, launch, CudaError, Gemm, GpuDevice, KernelArg, LinearBackend, LinearChoice,
+    OwnedGraph,
 };
 use specula_kernels::{Matrix, MatrixData};
 use std::collections::HashMap;
@@ -99,16 +98,6 @@ impl GpuForwardOutput {
         &self.logits[r * self.vocab_size..(r + 1) * self.vocab_size]
     }
 }
-
-/// A captured step, owned by one `GpuTransformer`. cudarc leaves `CudaGraph` `!Send` because graph
-/// objects must not be used from two threads at once; moving one to another thread with its owner is
-/// fine (every launch binds the context to the calling thread first). `GpuTransformer` is therefore
-/// `Send` (a drafter or an engine thread may own it) but not `Sync`.
-struct OwnedGraph(CudaGraph);
-
-// SAFETY: see above: only ownership moves between threads; `OwnedGraph` is not `Sync`, so no two
-// threads can reach the same graph at once.
-unsafe impl Send for OwnedGraph {}
 
 /// How the last step ran.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1242,9 +1231,9 @@ impl GpuTransformer {
             Some(key) => {
                 // Run it directly (this is the step's result), then capture the same launches.
                 self.encode(rows_total, logits_total)?;
-                match self.capture(rows_total, logits_total) {
+                match capture_graph(&s, || self.encode(rows_total, logits_total)) {
                     Ok(graph) => {
-                        self.graphs.insert(key, OwnedGraph(graph));
+                        self.graphs.insert(key, graph);
                         StepPath::Captured
                     }
                     Err(e) => {
@@ -1262,21 +1251,6 @@ impl GpuTransformer {
             self.seqs[inp.seq].as_mut().expect("checked").len = start + inp.tokens.len();
         }
         Ok((n_logits, path))
-    }
-
-    /// Captures `encode(rows, n_logits)` into a graph (nothing runs during capture).
-    fn capture(&mut self, rows: usize, n_logits: usize) -> Result<CudaGraph, ModelError> {
-        let s = self.device.stream.clone();
-        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(gpu)?;
-        let recorded = self.encode(rows, n_logits);
-        let graph = s.end_capture(sys::CUgraphInstantiate_flags(0));
-        recorded?;
-        let graph = graph
-            .map_err(gpu)?
-            .ok_or_else(|| ModelError::Gpu("CUDA graph capture produced no graph".into()))?;
-        graph.upload().map_err(gpu)?;
-        Ok(graph)
     }
 
     /// Launches one forward over `rows` packed input rows with logits for `n_logits` of them. Reads

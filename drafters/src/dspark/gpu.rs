@@ -21,14 +21,14 @@
 use super::model::{BlockOutput, DSparkModel};
 use crate::DraftError;
 use cudarc::driver::{
-    sys, CudaEvent, CudaFunction, CudaGraph, CudaSlice, LaunchConfig, PinnedHostSlice,
-    PushKernelArg, ValidAsZeroBits,
+    sys, CudaEvent, CudaFunction, CudaSlice, LaunchConfig, PinnedHostSlice, PushKernelArg,
+    ValidAsZeroBits,
 };
 use specula_kernels::cuda::dspark::{
     decode_markov_status, pack_markov_params, BlockAttention, DSparkKernels, MarkovFailure,
     MarkovLoop, MarkovSeqParams, STATUS_INTS,
 };
-use specula_kernels::cuda::{CudaError, Gemm, GpuDevice};
+use specula_kernels::cuda::{capture_graph, CudaError, Gemm, GpuDevice, OwnedGraph};
 use specula_kernels::Matrix;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -109,14 +109,6 @@ struct DecoderFns {
     swiglu_bf16: CudaFunction,
     f32_to_bf16_rows: CudaFunction,
 }
-
-/// A captured launch sequence, owned by one `GpuDSpark`. cudarc leaves `CudaGraph` `!Send` because
-/// graph objects must not be used from two threads at once; moving one with its owner is fine (every
-/// launch binds the context to the calling thread first), so `GpuDSpark` stays `Send` but not `Sync`.
-struct OwnedGraph(CudaGraph);
-
-// SAFETY: see above: only ownership moves between threads; `OwnedGraph` is not `Sync`.
-unsafe impl Send for OwnedGraph {}
 
 /// What a captured graph replays.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -873,33 +865,15 @@ impl GpuDSpark {
         }
         encode(self, n)?;
         if let Some(key) = key {
-            match self.capture(encode, n) {
+            let s = self.device.stream.clone();
+            match capture_graph(&s, || encode(self, n)) {
                 Ok(g) => {
-                    self.graphs.insert(key, OwnedGraph(g));
+                    self.graphs.insert(key, g);
                 }
                 Err(e) => self.graph_error = Some(e.to_string()),
             }
         }
         Ok(())
-    }
-
-    /// Records `encode(self, n)` into a graph (nothing runs during capture).
-    fn capture(
-        &mut self,
-        encode: fn(&mut GpuDSpark, usize) -> Result<(), DraftError>,
-        n: usize,
-    ) -> Result<CudaGraph, DraftError> {
-        let s = self.device.stream.clone();
-        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(gpu)?;
-        let recorded = encode(self, n);
-        let graph = s.end_capture(sys::CUgraphInstantiate_flags(0));
-        recorded?;
-        let graph = graph
-            .map_err(gpu)?
-            .ok_or_else(|| DraftError::Gpu("CUDA graph capture produced no graph".into()))?;
-        graph.upload().map_err(gpu)?;
-        Ok(graph)
     }
 
     /// Why graphs were switched off (a failed capture), if they were.

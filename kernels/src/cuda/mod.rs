@@ -6,9 +6,11 @@
 
 pub mod dspark;
 mod gemm;
+pub mod graph;
 pub mod launch;
 pub mod sampling;
 pub use gemm::{Gemm, LinearBackend, LinearChoice, SKINNY_MAX_ROWS};
+pub use graph::{capture_graph, OwnedGraph};
 pub use launch::{co_resident_grid, launch, launch_with, KernelArg, LaunchOptions};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
