@@ -2,10 +2,11 @@
 """Tables of a drafter-cost run (experiments/run_gpu_drafter_cost_h200.sh): one `specula generate --json`
 file per (prompt, temperature, drafter) named p{i}_t{T}_{dspark|draft}.json in DIR.
 
-Prints, per temperature and drafter, pooled AL (1 + accepted / verify steps), drafting and verify ms per verify
-step and decode tokens/s (generated tokens / (total - prefill) wall time, drafting included: one request, so
-this is per-user decode speed, not aggregate throughput); then, per temperature, the prompts paired: how many
-prompts DSpark decodes faster and the geometric mean / min / max of its per-prompt speed ratio.
+Files of the draft model at another k are named ..._draft{k}.json. Prints, per temperature, drafter and k,
+pooled AL (1 + accepted / verify steps), drafting and verify ms per verify step and decode tokens/s (generated tokens / (total - prefill) wall time, drafting included: one request, so
+this is per-user decode speed, not aggregate throughput); then, per temperature and other drafter setting,
+the prompts paired: how many prompts DSpark decodes faster and the geometric mean / min / max of its
+per-prompt speed ratio.
 Usage: drafter_cost_table.py DIR
 """
 import glob
@@ -30,7 +31,7 @@ def main(out):
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     pooled = {}
     for (p, t, d), s in stats.items():
-        r = pooled.setdefault((t, s["drafter"]), [0, 0, 0, 0.0, 0.0, 0, 0.0])
+        r = pooled.setdefault((t, f'{s["drafter"]} k={s["num_draft_tokens"]}'), [0, 0, 0, 0.0, 0.0, 0, 0.0])
         r[0] += 1
         r[1] += s["num_verify_steps"]
         r[2] += s["accepted_tokens"]
@@ -41,20 +42,23 @@ def main(out):
     for (t, d), r in sorted(pooled.items()):
         print(f"| {t[1:]} | {d} | {r[0]} | {r[1]} | {1 + r[2] / r[1]:.2f} | {r[3] / r[1]:.3f} | {r[4] / r[1]:.3f} | {r[5] / (r[6] / 1e3):.0f} |")
     print()
-    print("| T | prompts paired | DSpark faster on | speed ratio DSpark / draft model: geomean | min | max |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| T | against | prompts paired | DSpark faster on | speed ratio DSpark / other: geomean | min | max |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    speed = lambda x: x["generated_tokens"] / (x["total_ms"] - x["prefill_ms"])
+    others = sorted({k[2] for k in stats if k[2] != "dspark"})
     for t in sorted({k[1] for k in stats}):
-        ratios = []
-        for (p, tt, d), s in stats.items():
-            if tt != t or d != "dspark" or (p, t, "draft") not in stats:
-                continue
-            o = stats[(p, t, "draft")]
-            speed = lambda x: x["generated_tokens"] / (x["total_ms"] - x["prefill_ms"])
-            ratios.append(speed(s) / speed(o))
-        if ratios:
-            g = math.exp(sum(map(math.log, ratios)) / len(ratios))
-            wins = sum(r > 1 for r in ratios)
-            print(f"| {t[1:]} | {len(ratios)} | {wins} | {g:.3f} | {min(ratios):.3f} | {max(ratios):.3f} |")
+        for other in others:
+            ratios = [
+                speed(s) / speed(stats[(p, t, other)])
+                for (p, tt, d), s in stats.items()
+                if tt == t and d == "dspark" and (p, t, other) in stats
+            ]
+            if ratios:
+                g = math.exp(sum(map(math.log, ratios)) / len(ratios))
+                sample = next(s for (_, tt, d), s in stats.items() if tt == t and d == other)
+                label = f'{sample["drafter"]} k={sample["num_draft_tokens"]}'
+                wins = sum(r > 1 for r in ratios)
+                print(f"| {t[1:]} | {label} | {len(ratios)} | {wins} | {g:.3f} | {min(ratios):.3f} | {max(ratios):.3f} |")
 
 
 if __name__ == "__main__":

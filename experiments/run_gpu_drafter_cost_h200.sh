@@ -21,9 +21,11 @@ export SPECULA_DEFAULT_MODELS=${SPECULA_DEFAULT_MODELS:-$PWD/models/default}
 for i in $(seq 1 "$n"); do
   prompt=$(sed -n "${i}p" experiments/prompts/heldback.jsonl | python3 -c 'import json, sys; print(json.loads(sys.stdin.read())["turns"][0], end="")')
   for t in 1 0; do
-    for d in dspark draft; do
+    # DSpark at k = 7 (the seed's DL7); the draft model at every k in DRAFT_KS (default 7: the same k;
+    # "3 5 7" adds the draft model's cheaper settings, file names draft, draft3, draft5).
+    for d in dspark $(for k in ${DRAFT_KS:-7}; do [ "$k" = 7 ] && echo draft || echo "draft$k"; done); do
       if [ "$d" = dspark ]; then spec=(--speculative-config '{"method": "dspark", "num_speculative_tokens": 7}')
-      else spec=(--draft "$SPECULA_DEFAULT_MODELS/draft" --num-draft-tokens 7); fi
+      else k=${d#draft}; spec=(--draft "$SPECULA_DEFAULT_MODELS/draft" --num-draft-tokens "${k:-7}"); fi
       timeout 60 "$bin/specula" generate --device cuda --prompt "$prompt" --max-tokens "$max" --ignore-eos \
         --temperature "$t" --seed "$i" --json "${spec[@]}" > "$out/p${i}_t${t}_${d}.json" 2> "$out/p${i}_t${t}_${d}.err"
       echo "p$i T=$t $d rc=$?"
