@@ -4,7 +4,8 @@
 # Markov kernel alone), optionally the same check with another dspark.cu loaded through
 # SPECULA_DSPARK_CU (an A/B of the Markov kernel; file .carry/bin/dspark_old.cu if present), the
 # drafter-cost comparison with the draft model (experiments/run_gpu_drafter_cost_h200.sh, PROMPTS
-# prompts; with COST_AB=1 once more with the other dspark.cu), and the engine check (gpu_e2e_check). Binaries built here and packed as
+# prompts; DRAFT_KS="3 5 7" adds the draft model at k = 3 and 5; with COST_AB=1 once more with the other
+# dspark.cu), and the engine check (gpu_e2e_check). Binaries built here and packed as
 # experiments/fused/run_fused_h200.sh describes; the DeepSpec fixture travels as .carry/fixtures:
 #   run(command="mkdir -p .carry && tar -xJf .carry/pack/bin.tar.xz -C .carry && OUT=$OUT bash experiments/run_gpu_dspark_h200.sh",
 #       carry=[".carry/pack", ".carry/fixtures"], timeout_s=600)
