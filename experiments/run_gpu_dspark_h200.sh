@@ -35,7 +35,9 @@ for c in ${DSPARK_AB_DIR:-.carry/pack/dspark_candidates}/*.cu; do
 done
 [ -n "${ONLY_CANDIDATES:-}" ] && exit 0
 mkdir -p "$out/runs"
-PROMPTS=${PROMPTS:-20} OUT="$out/runs" bash experiments/run_gpu_drafter_cost_h200.sh > "$out/drafter_cost.txt" 2>&1
+# COST_TIMEOUT (s) caps the comparison so that the runs finished so far still come back (prompts are the
+# outer loop: a cut run keeps whole prompts; experiments/drafter_cost_table.py tables them here).
+timeout "${COST_TIMEOUT:-1800}" env PROMPTS=${PROMPTS:-20} OUT="$out/runs" bash experiments/run_gpu_drafter_cost_h200.sh > "$out/drafter_cost.txt" 2>&1
 tar -czf "$out/drafter_cost_runs.tgz" -C "$out" runs && rm -rf "$out/runs"
 if [ -f "$bin/dspark_old.cu" ] && [ -n "${COST_AB:-}" ]; then
   mkdir -p "$out/runs"

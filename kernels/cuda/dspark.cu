@@ -274,3 +274,354 @@ dspark_markov_loop(const float* base_logits, const float* hidden, int g, int vd,
         st[3] = drafted;
     }
 }
+
+// ---------------------------------------------------------------------------------------------------
+// The same Markov loop spread over a cluster of DSP_CLUSTER CTAs per sequence (sm_90 and later), for
+// rows without top-k / top-p (the host picks dspark_markov_loop above for those). Why: with one CTA per
+// sequence a slot is bound by one SM streaming the 1 MB of W2 (vd x rank bf16) and by its block-wide
+// passes over the whole row; measured on the H200 at ~46 us per slot for the embedded drafter. Here CTA c
+// of a sequence's cluster owns draft ids [c * S, (c + 1) * S), S = ceil(vd / DSP_CLUSTER), keeps its
+// slice of W2 in shared memory for the whole loop (staged once per launch, rows padded by DSP_W2_PAD
+// entries so one thread per row reads 16 bytes without bank conflicts), and computes the corrected
+// logits, the argmax, the softmax and the draw over its own ids. The CTAs agree on the rest through
+// distributed shared memory: each publishes its partial results (max, argmax, first non-finite index,
+// then the f64 sums) in its own `DspShare`, a cluster barrier makes them visible, and every CTA combines
+// the DSP_CLUSTER records in cluster order, so all of them hold bitwise the same global values and take
+// the same branches. Barriers per slot: one at temperature 0, four when sampling (max, sum, normalised
+// sum, the drawn token).
+//
+// Semantics are dspark_markov_loop's without top-k / top-p (row_logits_to_probs's f64 exp and sums,
+// block_sample's inverse-CDF draw over the normalised f32 row, lowest index on argmax ties, the first
+// non-finite index, the same status codes); the sums are taken in another order (per CTA, then across
+// the cluster), so q may differ from the single-CTA kernel's in the last bits, and a sampled draw only
+// when the uniform falls within that difference of a CDF boundary.
+//
+// The records are double-buffered by slot parity: slot j + 2 rewrites a record only after every CTA has
+// passed slot j + 1's first barrier, which it reaches only after reading slot j's records. The token of
+// a sampled slot is written by the CTA that owns it into every CTA's record (remote stores) before the
+// fourth barrier. A last barrier keeps every CTA's shared memory alive until no other CTA can read it.
+//
+// Dynamic shared memory (bytes, host: DSparkKernels::cluster_smem_bytes): the W2 slice
+// S * (rank + DSP_W2_PAD) * 2 when w2_in_smem (requires rank % 8 == 0), then e [rank rounded up to 4],
+// then the slice's logits and probabilities, S floats each. Grid: batch * DSP_CLUSTER CTAs.
+#define DSP_CLUSTER 8
+#define DSP_W2_PAD 8
+
+struct DspShare {
+    float max_value;
+    int best;
+    int bad;
+    int last;
+    double sum;
+    double written;
+    int token;
+};
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+#define DSP_CLUSTER_DIMS __cluster_dims__(DSP_CLUSTER, 1, 1)
+__device__ __forceinline__ u32 dsp_cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+// Release/acquire: shared-memory writes before the barrier are visible to every CTA of the cluster after it.
+__device__ __forceinline__ void dsp_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The address of `p` (a shared variable of this CTA) in CTA `rank`'s shared memory.
+__device__ __forceinline__ u32 dsp_remote(const void* p, u32 rank) {
+    u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"((u32)__cvta_generic_to_shared(p)), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ float dsp_ld_f32(u32 a) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
+    return v;
+}
+__device__ __forceinline__ int dsp_ld_s32(u32 a) {
+    int v;
+    asm volatile("ld.shared::cluster.s32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
+    return v;
+}
+__device__ __forceinline__ double dsp_ld_f64(u32 a) {
+    double v;
+    asm volatile("ld.shared::cluster.f64 %0, [%1];" : "=d"(v) : "r"(a) : "memory");
+    return v;
+}
+__device__ __forceinline__ void dsp_st_s32(u32 a, int v) {
+    asm volatile("st.shared::cluster.s32 [%0], %1;" ::"r"(a), "r"(v) : "memory");
+}
+#else
+#define DSP_CLUSTER_DIMS
+#endif
+
+extern "C" __global__ void DSP_CLUSTER_DIMS __launch_bounds__(SPL_PROBS_THREADS)
+dspark_markov_cluster(const float* base_logits, const float* hidden, int g, int vd, int vocab, int hidden_dim,
+                      int rank, const unsigned short* w1, const int* w1_row_of_token, const unsigned short* w2,
+                      const float* conf_w, int conf_width, float conf_b, const int* draft_to_target,
+                      const int* seq_i, const float* seq_f, const double* uniforms, float* corrected,
+                      float* probs, float* conf_out, int* tokens, int* status, int w2_in_smem) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+    __shared__ Scratch sc;
+    __shared__ DspShare share[2];
+    extern __shared__ __align__(16) unsigned char dsp_dyn[];
+    const int b = blockIdx.x / DSP_CLUSTER, tid = threadIdx.x, nt = blockDim.x;
+    const u32 crank = dsp_cluster_rank();
+    const int S = (vd + DSP_CLUSTER - 1) / DSP_CLUSTER;
+    const int lo = (int)crank * S, hi = min(lo + S, vd);
+    const int wstride = rank + DSP_W2_PAD;
+    unsigned short* w2s = (unsigned short*)dsp_dyn;
+    const size_t w2_bytes = w2_in_smem ? (((size_t)S * wstride * 2 + 15) & ~(size_t)15) : 0;
+    float* e_s = (float*)(dsp_dyn + w2_bytes);
+    float* lg = e_s + ((rank + 3) & ~3);  // this CTA's row values (restricted logits), [S]
+    float* ps = lg + S;                    // this CTA's probabilities, [S]
+
+    const int anchor = seq_i[b * DSP_SEQ_INTS + 0];
+    const int n_slots = seq_i[b * DSP_SEQ_INTS + 1];
+    const int limit = seq_i[b * DSP_SEQ_INTS + 3];
+    const float temperature = seq_f[b * DSP_SEQ_FLOATS + 0];
+    const float threshold = seq_f[b * DSP_SEQ_FLOATS + 2];
+    const int n = draft_to_target ? vd : limit;
+    const int nhi = max(lo, min(hi, n));  // this CTA's ids inside the probability row: [lo, nhi)
+
+    int code = SPL_OK, detail = 0, fail_slot = 0, drafted = 0;
+    if (nt != SPL_PROBS_THREADS) {
+        code = SPL_BAD_BLOCK;
+        detail = nt;
+    }
+    if (w2_in_smem && code == SPL_OK) {
+        // 16-byte pieces, 8 loads in flight per thread before any store.
+        const int pieces = rank / 8, total = (hi > lo ? hi - lo : 0) * pieces;
+        strided<uint4>(tid, total, nt,
+                       [&](int i) { return *(const uint4*)(w2 + (size_t)(lo + i / pieces) * rank + (i % pieces) * 8); },
+                       [&](int i, uint4 v) { *(uint4*)(w2s + (size_t)(i / pieces) * wstride + (i % pieces) * 8) = v; });
+    }
+    int first_allowed = 0;
+    if (draft_to_target && code == SPL_OK) {
+        int first = SPL_INT_MAX;
+        for (int x = tid; x < vd; x += nt)
+            if (draft_to_target[x] < limit) first = min(first, x);
+        first_allowed = block_min_i(first, sc);  // its barriers also publish the W2 slice
+        if (first_allowed == SPL_INT_MAX) code = DSP_NOTHING_ALLOWED;
+    }
+    __syncthreads();
+    int prev = anchor;
+    // Every branch below depends only on cluster-uniform values (prev, code, the combined records, the
+    // confidence logit that every CTA computes the same way from the same inputs).
+    for (int j = 0; j < n_slots && code == SPL_OK; ++j) {
+        const int par = j & 1;
+        const size_t r = (size_t)b * g + j;
+        if (prev < 0 || prev >= vocab) {
+            code = DSP_BAD_TOKEN;
+            detail = prev;
+            fail_slot = j;
+            break;
+        }
+        const int w1_row = w1_row_of_token ? w1_row_of_token[prev] : prev;
+        for (int c = tid; c < rank; c += nt)
+            e_s[c] = w1_row >= 0 ? dsp_bf16_to_f32(w1[(size_t)w1_row * rank + c]) : 0.0f;
+        __syncthreads();
+        if (conf_w) {
+            const float* hrow = hidden + r * hidden_dim;
+            float acc = 0.0f;
+            for (int c = tid; c < hidden_dim; c += nt) acc += conf_w[c] * hrow[c];
+            if (conf_width > hidden_dim)
+                for (int c = tid; c < rank; c += nt) acc += conf_w[hidden_dim + c] * e_s[c];
+            const float cl = (float)block_sum_d((double)acc, sc) + conf_b;
+            if (tid == 0 && crank == 0) conf_out[r] = cl;
+            if (threshold >= 0.0f && 1.0f / (1.0f + expf(-cl)) < threshold) break;
+        }
+        // Corrected logits of this CTA's ids, the first non-finite index and the argmax of its row part.
+        const float* brow = base_logits + r * vd;
+        float* crow = corrected + r * vd;
+        float* prow = probs + r * vd;
+        float bv = SPL_F32_NEG_INF;
+        int bi = SPL_INT_MAX, bad = SPL_INT_MAX;
+        for (int x = lo + tid; x < hi; x += nt) {
+            float acc = 0.0f;
+            if (w2_in_smem) {
+                const unsigned short* w = w2s + (size_t)(x - lo) * wstride;
+                for (int c = 0; c < rank; c += 8) {
+                    const uint4 v = *(const uint4*)(w + c);
+                    const unsigned int words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        acc += dsp_bf16_to_f32((unsigned short)(words[q] & 0xffffu)) * e_s[c + 2 * q];
+                        acc += dsp_bf16_to_f32((unsigned short)(words[q] >> 16)) * e_s[c + 2 * q + 1];
+                    }
+                }
+            } else {
+                const unsigned short* w = w2 + (size_t)x * rank;
+                for (int c = 0; c < rank; ++c) acc += dsp_bf16_to_f32(w[c]) * e_s[c];
+            }
+            const float v = brow[x] + acc;
+            crow[x] = v;
+            const float rv = draft_to_target ? (draft_to_target[x] < limit ? v : SPL_F32_NEG_INF) : v;
+            lg[x - lo] = rv;
+            if (x < n) {
+                if (rv != rv || rv == SPL_F32_INF) bad = min(bad, x);
+                if (rv > bv) {
+                    bv = rv;
+                    bi = x;
+                }
+            }
+        }
+        bad = block_min_i(bad, sc);
+        float part_max;
+        const int part_best = block_argmax_reduce(bv, bi, sc, &part_max);
+        if (tid == 0) {
+            share[par].max_value = part_max;
+            share[par].best = part_best;
+            share[par].bad = bad;
+        }
+        dsp_cluster_sync();
+        // Combined in cluster order: CTAs own ascending id ranges, so a strict > keeps the lowest index.
+        float max_value = SPL_F32_NEG_INF;
+        int best = SPL_INT_MAX, first_bad = SPL_INT_MAX;
+        for (u32 c = 0; c < DSP_CLUSTER; ++c) {
+            const u32 a = dsp_remote(&share[par], c);
+            const float m = dsp_ld_f32(a + __builtin_offsetof(DspShare, max_value));
+            const int bb = dsp_ld_s32(a + __builtin_offsetof(DspShare, best));
+            first_bad = min(first_bad, dsp_ld_s32(a + __builtin_offsetof(DspShare, bad)));
+            if (m > max_value) {
+                max_value = m;
+                best = bb;
+            }
+        }
+        int err = SPL_OK;
+        if (first_bad != SPL_INT_MAX) {
+            err = SPL_NON_FINITE_LOGIT;
+            detail = first_bad;
+        } else if (temperature != 0.0f && max_value == SPL_F32_NEG_INF) {
+            err = SPL_ALL_MASKED;
+            detail = 0;
+        }
+        if (err != SPL_OK) {
+            for (int x = lo + tid; x < nhi; x += nt) prow[x] = SPL_F32_NAN;
+            code = err;
+            fail_slot = j;
+            break;
+        }
+        int x;
+        if (temperature == 0.0f) {
+            // One-hot at the argmax (index 0 when every logit is -inf); with a pruned vocabulary whose
+            // kept logits are all -inf, at the first kept id (the CPU's argmax over its kept list).
+            x = best == SPL_INT_MAX ? 0 : best;
+            if (draft_to_target && draft_to_target[x] >= limit) x = first_allowed;
+            for (int y = lo + tid; y < nhi; y += nt) prow[y] = y == x ? 1.0f : 0.0f;
+        } else {
+            // exp((l - max) / T) in f64, stored as f32; the sum is over the f64 values.
+            const double inv_t = 1.0 / (double)temperature;
+            const double max_d = (double)max_value;
+            double sum_e = 0.0;
+            for (int y = lo + tid; y < nhi; y += nt) {
+                const double e = exp(__dmul_rn(__dsub_rn((double)lg[y - lo], max_d), inv_t));
+                ps[y - lo] = (float)e;
+                sum_e += e;
+            }
+            sum_e = block_sum_d(sum_e, sc);
+            if (tid == 0) share[par].sum = sum_e;
+            dsp_cluster_sync();
+            double sum = 0.0;
+            for (u32 c = 0; c < DSP_CLUSTER; ++c) sum += dsp_ld_f64(dsp_remote(&share[par], c) + __builtin_offsetof(DspShare, sum));
+            const double inv = 1.0 / sum;
+            double written = 0.0;
+            int last = -1;
+            for (int y = lo + tid; y < nhi; y += nt) {
+                const float out = (float)__dmul_rn((double)ps[y - lo], inv);
+                ps[y - lo] = out;
+                prow[y] = out;
+                written += (double)out;
+                if (out > 0.0f) last = y;
+            }
+            written = block_sum_d(written, sc);  // its barriers also publish ps
+            last = block_max_i(last, sc);
+            if (tid == 0) {
+                share[par].written = written;
+                share[par].last = last;
+            }
+            dsp_cluster_sync();
+            // block_sample's inverse CDF: target = u * total; the first id with p > 0 whose cumulative
+            // mass passes target, the last id with p > 0 when rounding leaves target above every sum.
+            double w_c[DSP_CLUSTER];
+            double total = 0.0;
+            int row_last = -1;
+            for (u32 c = 0; c < DSP_CLUSTER; ++c) {
+                const u32 a = dsp_remote(&share[par], c);
+                w_c[c] = dsp_ld_f64(a + __builtin_offsetof(DspShare, written));
+                row_last = max(row_last, dsp_ld_s32(a + __builtin_offsetof(DspShare, last)));
+                total += w_c[c];
+            }
+            if (!(total > 0.0)) {
+                code = SPL_ALL_MASKED;
+                detail = 0;
+                fail_slot = j;
+                break;
+            }
+            const double target = uniforms[r] * total;
+            int owner = -1;
+            double carry = 0.0, run = 0.0;
+            for (int c = 0; c < DSP_CLUSTER; ++c) {
+                const double incl = run + w_c[c];
+                if (owner < 0 && w_c[c] > 0.0 && target < incl) {
+                    owner = c;
+                    carry = run;
+                }
+                run = incl;
+            }
+            if (owner < 0) {
+                x = row_last;
+            } else {
+                if ((int)crank == owner) {
+                    // Contiguous segments per thread, scanned in thread order (block_sample's layout).
+                    const int cnt = nhi - lo, seg_len = (cnt + nt - 1) / nt;
+                    const int s0 = min(tid * seg_len, cnt), s1 = min(s0 + seg_len, cnt);
+                    double s = 0.0;
+                    for (int i = s0; i < s1; ++i) s += (double)ps[i];
+                    double incl, excl;
+                    block_scan_d(s, &incl, &excl, sc);
+                    const int seg = block_min_i((s > 0.0 && target < carry + incl) ? tid : SPL_INT_MAX, sc);
+                    if (seg == SPL_INT_MAX && tid == 0) {
+                        for (u32 c = 0; c < DSP_CLUSTER; ++c)
+                            dsp_st_s32(dsp_remote(&share[par], c) + __builtin_offsetof(DspShare, token), last);
+                    }
+                    if (tid == seg) {
+                        double cum = carry + excl;
+                        int found = -1, last_nz = -1;
+                        for (int i = s0; i < s1 && found < 0; ++i) {
+                            const float p = ps[i];
+                            if (p > 0.0f) {
+                                cum += (double)p;
+                                last_nz = i;
+                                if (target < cum) found = i;
+                            }
+                        }
+                        const int id = lo + (found >= 0 ? found : last_nz);
+                        for (u32 c = 0; c < DSP_CLUSTER; ++c)
+                            dsp_st_s32(dsp_remote(&share[par], c) + __builtin_offsetof(DspShare, token), id);
+                    }
+                }
+                dsp_cluster_sync();
+                x = share[par].token;
+            }
+        }
+        const int token = draft_to_target ? draft_to_target[x] : x;
+        if (tid == 0 && crank == 0) tokens[r] = token;
+        prev = token;
+        drafted = j + 1;
+        // e_s, lg, ps and Scratch are rewritten by the next slot.
+        __syncthreads();
+    }
+    dsp_cluster_sync();
+    if (tid == 0 && crank == 0) {
+        int* st = status + (size_t)b * DSP_STATUS_INTS;
+        st[0] = code;
+        st[1] = detail;
+        st[2] = fail_slot;
+        st[3] = drafted;
+    }
+#else
+    __trap();  // the host selects this kernel only on sm_90 and later (DSparkKernels::new)
+#endif
+}

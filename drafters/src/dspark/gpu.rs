@@ -26,7 +26,7 @@ use cudarc::driver::{
 };
 use specula_kernels::cuda::dspark::{
     decode_markov_status, pack_markov_params, BlockAttention, DSparkKernels, MarkovFailure,
-    MarkovLoop, MarkovSeqParams, STATUS_INTS,
+    MarkovKernel, MarkovLoop, MarkovSeqParams, STATUS_INTS,
 };
 use specula_kernels::cuda::{capture_graph, CudaError, Gemm, GpuDevice, OwnedGraph};
 use specula_kernels::Matrix;
@@ -50,6 +50,11 @@ pub struct GpuDSparkOptions {
     /// Replay the block pass and small context appends as CUDA graphs (captured at the first use of
     /// each batch size / row count). Off: every kernel is launched one by one (for comparison).
     pub graphs: bool,
+    /// Run the Markov loop on a cluster of CTAs per sequence where the device and the rows allow it
+    /// (sm_90+, no top-k / top-p); off: always the single-CTA kernel (for comparison).
+    pub markov_cluster: bool,
+    /// Let the cluster loop keep W2 in shared memory (off: it reads W2 from global memory; for tests).
+    pub markov_w2_shared: bool,
 }
 
 impl Default for GpuDSparkOptions {
@@ -59,6 +64,8 @@ impl Default for GpuDSparkOptions {
             max_context: 4096,
             max_append_rows: 256,
             graphs: true,
+            markov_cluster: true,
+            markov_w2_shared: true,
         }
     }
 }
@@ -272,6 +279,8 @@ pub struct GpuDSpark {
     graph_error: Option<String>,
     /// Events around the last Markov kernel launch, when timing is on (`set_kernel_timing`).
     markov_events: Option<(CudaEvent, CudaEvent)>,
+    /// The kernel the last Markov loop ran on.
+    last_markov_kernel: Option<MarkovKernel>,
 }
 
 fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
@@ -454,6 +463,7 @@ impl GpuDSpark {
             graphs: HashMap::new(),
             graph_error: None,
             markov_events: None,
+            last_markov_kernel: None,
             device,
             gemm,
             kernels,
@@ -910,6 +920,11 @@ impl GpuDSpark {
         }
     }
 
+    /// The kernel the last Markov loop ran on (None before the first).
+    pub fn last_markov_kernel(&self) -> Option<MarkovKernel> {
+        self.last_markov_kernel
+    }
+
     /// The last block pass's hidden states and base logits on the host, per sequence (parity checks,
     /// and the host Markov loop for confidence-truncated sampling).
     pub fn read_block_outputs(&self) -> Result<Vec<BlockOutput>, DraftError> {
@@ -975,6 +990,26 @@ impl GpuDSpark {
             }
         }
         let (ints, floats) = pack_markov_params(params)?;
+        // The cluster kernel serves rows without top-k / top-p (a top_k at or above the row length
+        // keeps every id, as the single-CTA kernel's test does).
+        let n_row = |p: &MarkovSeqParams| {
+            if self.draft_to_target.is_some() {
+                vd
+            } else {
+                p.limit
+            }
+        };
+        let plain = params.iter().all(|p| {
+            (p.sampling.top_k == 0 || p.sampling.top_k >= n_row(p)) && p.sampling.top_p >= 1.0
+        });
+        let kernel = self.kernels.choose_markov(
+            vd,
+            self.d.rank,
+            plain,
+            self.opts.markov_cluster,
+            self.opts.markov_w2_shared,
+        );
+        self.last_markov_kernel = Some(kernel);
         let s = self.device.stream.clone();
         // Page-locked staging: the uploads and readbacks below are queued without waiting, and the
         // host synchronises once, after the last readback (the stream sync is what makes the pinned
@@ -990,6 +1025,7 @@ impl GpuDSpark {
         }
         self.kernels
             .markov_loop(MarkovLoop {
+                kernel,
                 batch: b,
                 g,
                 vd,

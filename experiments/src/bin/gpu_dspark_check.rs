@@ -9,13 +9,16 @@
 //!     and the greedy draft tokens (a differing token is allowed only as a
 //!     near-tie, reported with its logit margin); then through the `Drafter` interface, greedy and
 //!     sampled (temperature 0.8, top-k 50, top-p 0.95, the same uniforms on both sides): tokens and
-//!     draft distributions q;
+//!     draft distributions q; and the fused Markov loop alone against the CPU loop on the same block
+//!     outputs (greedy, T=1, T=0.8 top-k 50 top-p 0.95) for each Markov kernel: the cluster loop with
+//!     W2 in shared memory (the default on sm_90+), the cluster loop reading W2 from global memory and
+//!     the single-CTA loop;
 //! (b) greedy speculative generation with the GPU DSpark drafter and the CPU target equals plain
 //!     greedy generation on 8 prompts (embedded pair) and 4 prompts (fixture pair), k = 7;
 //! (c) timing of one block proposal (k = 7) on GPU and CPU for batch 1 and 4, greedy and sampled at
 //!     T=1: `propose` wall-clock (readback included) and the GPU block pass, the Markov loop with its
 //!     transfers and the Markov kernel alone in CUDA events; median and P90; the GPU with CUDA graphs
-//!     (default) and with every kernel launched directly.
+//!     (default) and with every kernel launched directly, and with the single-CTA Markov kernel.
 //!
 //! Exits nonzero on any parity failure.
 //! cargo build --release -p specula-experiments --features cuda --bin gpu_dspark_check
@@ -31,7 +34,7 @@ use specula_drafters::dspark::{DSparkConfig, DSparkModel};
 use specula_drafters::{DSparkDrafter, DraftProposal, DraftRequest, Drafter};
 use specula_engine::{generate, generate_batch, GenerationRequest};
 use specula_experiments::max_relative_error as max_rel;
-use specula_kernels::cuda::dspark::MarkovSeqParams;
+use specula_kernels::cuda::dspark::{MarkovKernel, MarkovSeqParams};
 use specula_kernels::cuda::{driver_available, GpuDevice};
 use specula_kernels::sampling::{argmax, SamplingParams};
 use specula_model::loader::load;
@@ -610,6 +613,7 @@ fn markov_exactness(
             })
             .collect();
         let fused = gpu.markov_loop(&params, &uniforms)?;
+        let kernel = kernel_name(gpu.last_markov_kernel());
         let (mut e_q, mut equal, mut total) = (0f64, 0usize, 0usize);
         for (i, (f, out)) in fused.into_iter().zip(&outs).enumerate() {
             let f = f.map_err(|e| anyhow::anyhow!("prompt {i}: {e}"))?;
@@ -659,8 +663,11 @@ fn markov_exactness(
                 }
             }
         }
-        println!("  {label}: {equal}/{total} tokens equal");
-        tally.check(&format!("{} fused loop {label}: q", pair.name), e_q);
+        println!("  {label} ({kernel}): {equal}/{total} tokens equal");
+        tally.check(
+            &format!("{} fused loop {label} ({kernel}): q", pair.name),
+            e_q,
+        );
     }
     Ok(())
 }
@@ -726,8 +733,19 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
     v[((v.len() - 1) as f64 * p).round() as usize]
 }
 
+/// A short name of a Markov kernel choice, for reports.
+fn kernel_name(k: Option<MarkovKernel>) -> &'static str {
+    match k {
+        None => "none",
+        Some(MarkovKernel::SingleCta) => "single CTA",
+        Some(MarkovKernel::Cluster { w2_shared: true }) => "cluster, W2 in smem",
+        Some(MarkovKernel::Cluster { w2_shared: false }) => "cluster, W2 global",
+    }
+}
+
 struct TimingRow {
     graphs: bool,
+    markov: &'static str,
     sampling: &'static str,
     batch: usize,
     cpu_wall: (f64, f64),
@@ -859,6 +877,7 @@ fn timing(
             };
             rows.push(TimingRow {
                 graphs: opts.graphs,
+                markov: kernel_name(g.last_markov_kernel()),
                 sampling: label,
                 batch,
                 cpu_wall: p(&mut cw),
@@ -971,7 +990,17 @@ fn main() -> Result<()> {
     ] {
         parity_block(&mut tally, pair, &device, &opts)?;
         parity_drafter(&mut tally, pair, &device, &opts)?;
-        markov_exactness(&mut tally, pair, &device, &opts)?;
+        // Every Markov kernel against the CPU loop: the default choice (the cluster loop with W2 in
+        // shared memory on sm_90+, the single-CTA loop for top-k / top-p), the cluster loop reading
+        // W2 from global memory, and the single-CTA loop for every setting.
+        for (cluster, w2_shared) in [(true, true), (true, false), (false, true)] {
+            let o = GpuDSparkOptions {
+                markov_cluster: cluster,
+                markov_w2_shared: w2_shared,
+                ..opts.clone()
+            };
+            markov_exactness(&mut tally, pair, &device, &o)?;
+        }
     }
 
     println!(
@@ -987,12 +1016,18 @@ fn main() -> Result<()> {
         ..opts.clone()
     };
     rows.extend(timing(&default_pair, &device, &direct, reps, false)?);
+    let single_cta = GpuDSparkOptions {
+        markov_cluster: false,
+        ..opts.clone()
+    };
+    rows.extend(timing(&default_pair, &device, &single_cta, reps, false)?);
 
     println!("\nsummary ({:.1} s):", started.elapsed().as_secs_f64());
     println!("  embedded pair, k = {K}, us p50 / p90; block pass and Markov loop (uploads, kernel, readback) in CUDA events");
     println!(
-        "  {:<7} {:<7} {:<6} {:>18} {:>18} {:>18} {:>22} {:>18}",
+        "  {:<7} {:<20} {:<7} {:<6} {:>18} {:>18} {:>18} {:>22} {:>18}",
         "graphs",
+        "Markov kernel",
         "drafts",
         "batch",
         "CPU propose",
@@ -1010,8 +1045,9 @@ fn main() -> Result<()> {
     };
     for r in &rows {
         println!(
-            "  {:<7} {:<7} {:<6} {:>18} {:>18} {:>18} {:>22} {:>18}",
+            "  {:<7} {:<20} {:<7} {:<6} {:>18} {:>18} {:>18} {:>22} {:>18}",
             if r.graphs { "on" } else { "off" },
+            r.markov,
             r.sampling,
             r.batch,
             f(r.cpu_wall),

@@ -15,7 +15,15 @@ use cudarc::driver::{
 use std::sync::Arc;
 
 /// The kernels `dspark.cu` must export (checked at load, and for every architecture by the compile test).
-pub const DSPARK_KERNELS: &[&str] = &["dspark_block_attention", "dspark_markov_loop"];
+pub const DSPARK_KERNELS: &[&str] = &[
+    "dspark_block_attention",
+    "dspark_markov_loop",
+    "dspark_markov_cluster",
+];
+/// CTAs per sequence of the cluster Markov loop (`DSP_CLUSTER`).
+pub const MARKOV_CLUSTER: usize = 8;
+/// Padding of a W2 row in the cluster loop's shared memory, in bf16 entries (`DSP_W2_PAD`).
+const W2_PAD: usize = 8;
 
 /// Ints per sequence of the Markov loop's integer parameters: anchor, slots, top_k, limit.
 pub const SEQ_INTS: usize = 4;
@@ -151,6 +159,8 @@ pub struct BlockAttention<'a> {
 /// Arguments of [`DSparkKernels::markov_loop`] for `batch` sequences of `g`-slot blocks (row
 /// r = b * g + j). Optional tensors are `None` when the checkpoint lacks them.
 pub struct MarkovLoop<'a> {
+    /// From [`DSparkKernels::choose_markov`].
+    pub kernel: MarkovKernel,
     pub batch: usize,
     pub g: usize,
     /// Draft vocabulary (columns of the logits rows).
@@ -177,7 +187,7 @@ pub struct MarkovLoop<'a> {
     /// `[rows]` uniforms (read only for sampled sequences).
     pub uniforms: &'a CudaSlice<f64>,
     pub corrected: &'a mut CudaSlice<f32>,
-    /// `[rows, vd]` scratch (written only with a pruned vocabulary).
+    /// `[rows, vd]` scratch (written only by the single-CTA kernel, with a pruned vocabulary).
     pub masked: &'a mut CudaSlice<f32>,
     pub probs: &'a mut CudaSlice<f32>,
     pub conf_out: &'a mut CudaSlice<f32>,
@@ -203,12 +213,26 @@ fn int(what: &str, v: usize) -> Result<i32, CudaError> {
     i32::try_from(v).map_err(|_| shape(format!("DSpark {what} = {v} does not fit an int")))
 }
 
+/// Which kernel runs a Markov loop (see dspark.cu).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MarkovKernel {
+    /// `dspark_markov_loop`: one CTA per sequence; every sampling setting, every architecture.
+    SingleCta,
+    /// `dspark_markov_cluster`: [`MARKOV_CLUSTER`] CTAs per sequence sharing the row through
+    /// distributed shared memory (sm_90 and later); rows without top-k / top-p only. `w2_shared`:
+    /// each CTA keeps its slice of W2 in shared memory (needs rank % 8 == 0 and room), else reads it
+    /// from global memory every slot.
+    Cluster { w2_shared: bool },
+}
+
 /// The DSpark kernels compiled for one device, launching on its stream.
 pub struct DSparkKernels {
     stream: Arc<CudaStream>,
     _module: Arc<CudaModule>,
     attention: CudaFunction,
     markov: CudaFunction,
+    /// The cluster Markov loop and the dynamic shared memory it may use (sm_90 and later only).
+    markov_cluster: Option<(CudaFunction, usize)>,
     /// Opt-in shared-memory limit of the device (bytes per block).
     smem_limit: usize,
     /// Dynamic shared memory the attention kernel is currently allowed.
@@ -227,10 +251,33 @@ impl DSparkKernels {
         let smem_limit = device.ctx.attribute(
             sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
         )? as usize;
+        // Thread-block clusters and distributed shared memory exist from sm_90; below, the kernel's
+        // body traps and is never chosen.
+        let major: u32 = device
+            .arch
+            .trim_start_matches("sm_")
+            .chars()
+            .take_while(|c| c.is_ascii_digit())
+            .collect::<String>()
+            .parse()
+            .unwrap_or(0)
+            / 10;
+        let markov_cluster = if major >= 9 {
+            let f = module.load_function("dspark_markov_cluster")?;
+            let dynamic = smem_limit.saturating_sub(f.shared_size_bytes()? as usize);
+            f.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                dynamic as i32,
+            )?;
+            Some((f, dynamic))
+        } else {
+            None
+        };
         Ok(DSparkKernels {
             stream: device.stream.clone(),
             attention: module.load_function("dspark_block_attention")?,
             markov: module.load_function("dspark_markov_loop")?,
+            markov_cluster,
             _module: module,
             smem_limit,
             attention_smem: 0,
@@ -346,6 +393,46 @@ impl DSparkKernels {
         Ok(())
     }
 
+    /// Dynamic shared memory of the cluster Markov loop (see dspark.cu).
+    pub fn cluster_smem_bytes(vd: usize, rank: usize, w2_shared: bool) -> usize {
+        let s = vd.div_ceil(MARKOV_CLUSTER);
+        let w2 = if w2_shared {
+            (s * (rank + W2_PAD) * 2).next_multiple_of(16)
+        } else {
+            0
+        };
+        w2 + 4 * (rank.next_multiple_of(4) + 2 * s)
+    }
+
+    /// The fastest Markov kernel that serves these rows: the cluster loop (W2 in shared memory when
+    /// it fits) when the device has clusters, `allow_cluster` is set and no row uses top-k / top-p
+    /// (`plain_rows`), else the single-CTA loop.
+    pub fn choose_markov(
+        &self,
+        vd: usize,
+        rank: usize,
+        plain_rows: bool,
+        allow_cluster: bool,
+        allow_w2_shared: bool,
+    ) -> MarkovKernel {
+        let Some((_, room)) = &self.markov_cluster else {
+            return MarkovKernel::SingleCta;
+        };
+        if !allow_cluster || !plain_rows || vd == 0 || rank == 0 {
+            return MarkovKernel::SingleCta;
+        }
+        if allow_w2_shared
+            && rank.is_multiple_of(8)
+            && Self::cluster_smem_bytes(vd, rank, true) <= *room
+        {
+            MarkovKernel::Cluster { w2_shared: true }
+        } else if Self::cluster_smem_bytes(vd, rank, false) <= *room {
+            MarkovKernel::Cluster { w2_shared: false }
+        } else {
+            MarkovKernel::SingleCta
+        }
+    }
+
     /// The fused Markov loop over every slot of every sequence (one launch).
     pub fn markov_loop(&self, a: MarkovLoop<'_>) -> Result<(), CudaError> {
         if a.batch == 0 {
@@ -403,7 +490,42 @@ impl DSparkKernels {
         );
         let null: u64 = 0;
         let conf_b = a.confidence.as_ref().map_or(0.0, |c| c.1);
-        let mut b = self.stream.launch_builder(&self.markov);
+        let (function, cfg, w2_shared) = match a.kernel {
+            MarkovKernel::SingleCta => (
+                &self.markov,
+                LaunchConfig {
+                    grid_dim: (a.batch as u32, 1, 1),
+                    block_dim: (MARKOV_THREADS, 1, 1),
+                    shared_mem_bytes: (4 * a.rank) as u32,
+                },
+                None,
+            ),
+            MarkovKernel::Cluster { w2_shared } => {
+                let Some((f, room)) = &self.markov_cluster else {
+                    return Err(shape(
+                        "the cluster Markov loop needs sm_90 or later".to_string(),
+                    ));
+                };
+                let smem = Self::cluster_smem_bytes(a.vd, a.rank, w2_shared);
+                if smem > *room || (w2_shared && !a.rank.is_multiple_of(8)) {
+                    return Err(shape(format!(
+                        "cluster Markov loop for vocabulary {} and rank {} (W2 shared: {w2_shared}) \
+                         needs {smem} bytes of shared memory, {room} available",
+                        a.vd, a.rank
+                    )));
+                }
+                (
+                    f,
+                    LaunchConfig {
+                        grid_dim: ((a.batch * MARKOV_CLUSTER) as u32, 1, 1),
+                        block_dim: (MARKOV_THREADS, 1, 1),
+                        shared_mem_bytes: smem as u32,
+                    },
+                    Some(w2_shared as i32),
+                )
+            }
+        };
+        let mut b = self.stream.launch_builder(function);
         b.arg(a.base_logits)
             .arg(a.hidden)
             .arg(&g)
@@ -429,20 +551,23 @@ impl DSparkKernels {
         b.arg(a.seq_i)
             .arg(a.seq_f)
             .arg(a.uniforms)
-            .arg(a.corrected)
-            .arg(a.masked)
-            .arg(a.probs)
+            .arg(a.corrected);
+        if w2_shared.is_none() {
+            b.arg(a.masked);
+        }
+        b.arg(a.probs)
             .arg(a.conf_out)
             .arg(a.tokens)
             .arg(a.status);
-        let cfg = LaunchConfig {
-            grid_dim: (a.batch as u32, 1, 1),
-            block_dim: (MARKOV_THREADS, 1, 1),
-            shared_mem_bytes: (4 * a.rank) as u32,
-        };
+        if let Some(flag) = &w2_shared {
+            b.arg(flag);
+        }
         // SAFETY: buffer sizes checked above (the caller keeps anchors, limits and slot counts inside
         // the vocabularies and the block, which the kernel re-checks for prev); null pointers only for
-        // the optional tensors the kernel tests for; arguments in dspark_markov_loop's order and types.
+        // the optional tensors the kernel tests for; arguments in the order and types of
+        // dspark_markov_loop (single CTA: `masked`, no flag) or dspark_markov_cluster (no `masked`,
+        // the W2 flag last); the cluster kernel's grid is a whole number of its compile-time clusters
+        // and its shared memory was checked against the limit set in `new`.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
