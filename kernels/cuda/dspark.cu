@@ -480,10 +480,9 @@ dspark_markov_cluster(const float* base_logits, const float* hidden, int g, int 
         float max_value = SPL_F32_NEG_INF;
         int best = SPL_INT_MAX, first_bad = SPL_INT_MAX;
         for (u32 c = 0; c < DSP_CLUSTER; ++c) {
-            const u32 a = dsp_remote(&share[par], c);
-            const float m = dsp_ld_f32(a + __builtin_offsetof(DspShare, max_value));
-            const int bb = dsp_ld_s32(a + __builtin_offsetof(DspShare, best));
-            first_bad = min(first_bad, dsp_ld_s32(a + __builtin_offsetof(DspShare, bad)));
+            const float m = dsp_ld_f32(dsp_remote(&share[par].max_value, c));
+            const int bb = dsp_ld_s32(dsp_remote(&share[par].best, c));
+            first_bad = min(first_bad, dsp_ld_s32(dsp_remote(&share[par].bad, c)));
             if (m > max_value) {
                 max_value = m;
                 best = bb;
@@ -524,7 +523,7 @@ dspark_markov_cluster(const float* base_logits, const float* hidden, int g, int 
             if (tid == 0) share[par].sum = sum_e;
             dsp_cluster_sync();
             double sum = 0.0;
-            for (u32 c = 0; c < DSP_CLUSTER; ++c) sum += dsp_ld_f64(dsp_remote(&share[par], c) + __builtin_offsetof(DspShare, sum));
+            for (u32 c = 0; c < DSP_CLUSTER; ++c) sum += dsp_ld_f64(dsp_remote(&share[par].sum, c));
             const double inv = 1.0 / sum;
             double written = 0.0;
             int last = -1;
@@ -548,9 +547,8 @@ dspark_markov_cluster(const float* base_logits, const float* hidden, int g, int 
             double total = 0.0;
             int row_last = -1;
             for (u32 c = 0; c < DSP_CLUSTER; ++c) {
-                const u32 a = dsp_remote(&share[par], c);
-                w_c[c] = dsp_ld_f64(a + __builtin_offsetof(DspShare, written));
-                row_last = max(row_last, dsp_ld_s32(a + __builtin_offsetof(DspShare, last)));
+                w_c[c] = dsp_ld_f64(dsp_remote(&share[par].written, c));
+                row_last = max(row_last, dsp_ld_s32(dsp_remote(&share[par].last, c)));
                 total += w_c[c];
             }
             if (!(total > 0.0)) {
@@ -584,7 +582,7 @@ dspark_markov_cluster(const float* base_logits, const float* hidden, int g, int 
                     const int seg = block_min_i((s > 0.0 && target < carry + incl) ? tid : SPL_INT_MAX, sc);
                     if (seg == SPL_INT_MAX && tid == 0) {
                         for (u32 c = 0; c < DSP_CLUSTER; ++c)
-                            dsp_st_s32(dsp_remote(&share[par], c) + __builtin_offsetof(DspShare, token), last);
+                            dsp_st_s32(dsp_remote(&share[par].token, c), last);
                     }
                     if (tid == seg) {
                         double cum = carry + excl;
@@ -599,7 +597,7 @@ dspark_markov_cluster(const float* base_logits, const float* hidden, int g, int 
                         }
                         const int id = lo + (found >= 0 ? found : last_nz);
                         for (u32 c = 0; c < DSP_CLUSTER; ++c)
-                            dsp_st_s32(dsp_remote(&share[par], c) + __builtin_offsetof(DspShare, token), id);
+                            dsp_st_s32(dsp_remote(&share[par].token, c), id);
                     }
                 }
                 dsp_cluster_sync();
