@@ -116,6 +116,67 @@ dspark_block_attention(const float* qkv, int row_stride, int n_heads, int n_kv_h
 }
 
 // ---------------------------------------------------------------------------------------------------
+// The block pass's q/k head norms, RoPE and K/V store in one launch (it was three: head_rms_norm on the q
+// heads, on the k heads, then rope_kv_append; ~3 us each in the block pass's graph, per layer). Grid:
+// (rows, n_heads + 2 * n_kv_heads), block: head_dim / 2 threads (head_dim even, <= 256). blockIdx.y <
+// n_heads: RMSNorm the q head with q_norm, rotate it in place; next n_kv_heads: RMSNorm the k head with
+// k_norm, rotate it and store it at context row slots[row]; last n_kv_heads: copy the v head there. Thread
+// i holds dims i and i + head_dim / 2 (rotate-half pairs). The arithmetic is decoder.cu's head_rms_norm
+// (weight * (x * 1 / sqrt(mean(x^2) + eps)), f32) and rope_rotate (angle in double), except that the sum of
+// squares is reduced in another order (pairs per thread, then warps).
+#define DSP_MAX_ROPE_WARPS 4
+extern "C" __global__ void dspark_qk_norm_rope_append(float* qkv, int row_stride, int n_heads, int n_kv_heads,
+                                                      int head_dim, const float* q_norm, const float* k_norm,
+                                                      float eps, const int* positions, const double* inv_freq,
+                                                      const int* slots, float* k_ctx, float* v_ctx) {
+    __shared__ float warp_ss[DSP_MAX_ROPE_WARPS];
+    const int half = head_dim / 2, i = threadIdx.x, y = blockIdx.y;
+    const int kv_dim = n_kv_heads * head_dim;
+    float* row = qkv + (size_t)blockIdx.x * row_stride;
+    const size_t slot_base = (size_t)slots[blockIdx.x] * kv_dim;
+    if (y >= n_heads + n_kv_heads) {
+        if (i >= half) return;
+        const int kvh = y - n_heads - n_kv_heads;
+        const float* v = row + n_heads * head_dim + kv_dim + kvh * head_dim;
+        float* dst = v_ctx + slot_base + kvh * head_dim;
+        dst[i] = v[i];
+        dst[i + half] = v[i + half];
+        return;
+    }
+    const bool is_q = y < n_heads;
+    float* h = row + y * head_dim;  // q heads, then k heads right after them
+    float xa = 0.0f, xb = 0.0f;
+    if (i < half) {
+        xa = h[i];
+        xb = h[i + half];
+    }
+    float ss = xa * xa + xb * xb;
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const int nw = (blockDim.x + 31) / 32;
+    if ((i & 31) == 0) warp_ss[i >> 5] = ss;
+    __syncthreads();
+    float total = 0.0f;
+    for (int w = 0; w < nw; ++w) total += warp_ss[w];
+    if (i >= half) return;
+    const float inv = 1.0f / sqrtf(total / (float)head_dim + eps);
+    const float* w = is_q ? q_norm : k_norm;
+    xa = w[i] * (xa * inv);
+    xb = w[i + half] * (xb * inv);
+    double s, c;
+    sincos((double)positions[blockIdx.x] * inv_freq[i], &s, &c);
+    const float ra = xa * (float)c - xb * (float)s;
+    const float rb = xb * (float)c + xa * (float)s;
+    if (is_q) {
+        h[i] = ra;
+        h[i + half] = rb;
+    } else {
+        float* dst = k_ctx + slot_base + (y - n_heads) * head_dim;
+        dst[i] = ra;
+        dst[i + half] = rb;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
 // The fused Markov loop: all slots of every sequence's block in one launch, one CTA of
 // SPL_PROBS_THREADS threads per sequence (the slots depend on each other through the previous token,
 // so a sequence's loop is sequential; sequences run side by side). For slot j of sequence b (row

@@ -26,7 +26,7 @@ use cudarc::driver::{
 };
 use specula_kernels::cuda::dspark::{
     decode_markov_status, pack_markov_params, BlockAttention, DSparkKernels, MarkovFailure,
-    MarkovKernel, MarkovLoop, MarkovSeqParams, STATUS_INTS,
+    MarkovKernel, MarkovLoop, MarkovSeqParams, QkNormRopeAppend, STATUS_INTS,
 };
 use specula_kernels::cuda::{capture_graph, CudaError, Gemm, GpuDevice, OwnedGraph};
 use specula_kernels::Matrix;
@@ -111,8 +111,6 @@ struct DecoderFns {
     embed_rows: CudaFunction,
     rms_norm: CudaFunction,
     rms_norm_bf16: CudaFunction,
-    head_rms_norm: CudaFunction,
-    rope_kv_append: CudaFunction,
     swiglu_bf16: CudaFunction,
     f32_to_bf16_rows: CudaFunction,
 }
@@ -253,6 +251,10 @@ pub struct GpuDSpark {
     act16: CudaSlice<u16>,
     qkv: CudaSlice<f32>,
     gate_up: CudaSlice<f32>,
+    /// `[max_block_rows, ffn]` SwiGLU output (the paired gate/up GEMM cannot write its own input).
+    ffn_act16: CudaSlice<u16>,
+    /// Gate/up rows are interleaved in groups of 8 (ffn % 8 == 0): SwiGLU fused into the GEMM.
+    paired_gate_up: bool,
     hidden: CudaSlice<f32>,
     logits: CudaSlice<f32>,
     corrected: CudaSlice<f32>,
@@ -286,14 +288,6 @@ pub struct GpuDSpark {
 fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-fn grid_cfg(x: usize, y: usize, threads: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (x as u32, y as u32, 1),
         block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     }
@@ -358,8 +352,6 @@ impl GpuDSpark {
             embed_rows: f("embed_rows")?,
             rms_norm: f("rms_norm")?,
             rms_norm_bf16: f("rms_norm_bf16")?,
-            head_rms_norm: f("head_rms_norm")?,
-            rope_kv_append: f("rope_kv_append")?,
             swiglu_bf16: f("swiglu_bf16")?,
             f32_to_bf16_rows: f("f32_to_bf16_rows")?,
         };
@@ -382,6 +374,21 @@ impl GpuDSpark {
                 k_ctx: s.alloc_zeros::<f32>(ctx_len).map_err(gpu)?,
                 v_ctx: s.alloc_zeros::<f32>(ctx_len).map_err(gpu)?,
             });
+        }
+        // Gate/up rows paired in groups of 8 (decoder.cu interleave_gate_up) so SwiGLU runs in the
+        // GEMM's epilogue (Gemm::linear_swiglu) instead of as its own launch per layer.
+        let paired_gate_up = d.ffn.is_multiple_of(8);
+        if paired_gate_up {
+            let interleave = f("interleave_gate_up")?;
+            let (ffn_i, h_i) = (int(d.ffn)?, int(d.h)?);
+            for l in &mut layers {
+                let mut dst = s.alloc_zeros::<u16>(2 * d.ffn * d.h).map_err(gpu)?;
+                let mut b = s.launch_builder(&interleave);
+                b.arg(&l.w_gate_up).arg(&mut dst).arg(&ffn_i).arg(&h_i);
+                // SAFETY: both buffers hold 2 * ffn * h elements; interleave_gate_up's arguments.
+                unsafe { b.launch(rows_cfg(2 * d.ffn, 256)) }.map_err(gpu)?;
+                l.w_gate_up = dst;
+            }
         }
         let ids = |v: &[u32]| -> Result<CudaSlice<i32>, DraftError> {
             let v: Vec<i32> = v.iter().map(|&x| x as i32).collect();
@@ -429,6 +436,10 @@ impl GpuDSpark {
             act16: s.alloc_zeros::<u16>(max_rows * act_width).map_err(gpu)?,
             qkv: zeros_f32(max_rows * width)?,
             gate_up: zeros_f32(max_block_rows * 2 * d.ffn)?,
+            ffn_act16: s
+                .alloc_zeros::<u16>(max_block_rows * d.ffn)
+                .map_err(gpu)?,
+            paired_gate_up,
             hidden: zeros_f32(max_block_rows * d.h)?,
             logits: zeros_f32(max_block_rows * d.vd)?,
             corrected: zeros_f32(max_block_rows * d.vd)?,
@@ -582,9 +593,7 @@ impl GpuDSpark {
         let d = self.d;
         let s = self.device.stream.clone();
         let mr = self.max_rows;
-        let (h_i, hd_i, nkv_i, kv2_i, eps) =
-            (int(d.h)?, int(d.hd)?, int(d.nkv)?, int(2 * d.kvd)?, d.eps);
-        let zero = 0i32;
+        let (h_i, eps) = (int(d.h)?, d.eps);
         let null: u64 = 0;
         let n_feat = int(n * d.feature_width)?;
         let positions = self.inputs.slice(IN_POSITIONS * mr..IN_POSITIONS * mr + n);
@@ -615,33 +624,26 @@ impl GpuDSpark {
             self.gemm
                 .linear(&l.wkv, &self.act16, &mut self.qkv, 2 * d.kvd, d.h, n)
                 .map_err(gpu)?;
-            unsafe {
-                let mut b = s.launch_builder(&self.k.head_rms_norm);
-                b.arg(&mut self.qkv)
-                    .arg(&kv2_i)
-                    .arg(&zero)
-                    .arg(&l.k_norm)
-                    .arg(&hd_i)
-                    .arg(&eps);
-                b.launch(grid_cfg(n, d.nkv, 128)).map_err(gpu)?;
-            }
-            // rope_kv_append with no query heads: rows are [k | v]; k heads are rotated and stored,
-            // v heads copied, at the slot rows of positions start .. start + n.
-            unsafe {
-                let mut b = s.launch_builder(&self.k.rope_kv_append);
-                b.arg(&mut self.qkv)
-                    .arg(&kv2_i)
-                    .arg(&zero)
-                    .arg(&nkv_i)
-                    .arg(&hd_i)
-                    .arg(&positions)
-                    .arg(&self.inv_freq)
-                    .arg(&slots)
-                    .arg(&mut l.k_ctx)
-                    .arg(&mut l.v_ctx);
-                b.launch(grid_cfg(n, 2 * d.nkv, (d.hd / 2) as u32))
-                    .map_err(gpu)?;
-            }
+            // No query heads: rows are [k | v]; k heads are normed, rotated and stored, v heads
+            // copied, at the slot rows of positions start .. start + n.
+            self.kernels
+                .qk_norm_rope_append(QkNormRopeAppend {
+                    rows: n,
+                    qkv: &mut self.qkv,
+                    row_stride: 2 * d.kvd,
+                    n_heads: 0,
+                    n_kv_heads: d.nkv,
+                    head_dim: d.hd,
+                    q_norm: &l.q_norm,
+                    k_norm: &l.k_norm,
+                    eps,
+                    positions: &positions,
+                    inv_freq: &self.inv_freq,
+                    slots: &slots,
+                    k_ctx: &mut l.k_ctx,
+                    v_ctx: &mut l.v_ctx,
+                })
+                .map_err(gpu)?;
         }
         Ok(())
     }
@@ -715,17 +717,8 @@ impl GpuDSpark {
         let mr = self.max_rows;
         let s = self.device.stream.clone();
         let width = d.qd + 2 * d.kvd;
-        let (h_i, w_i, hd_i, nh_i, nkv_i, qd_i, eps) = (
-            int(d.h)?,
-            int(width)?,
-            int(d.hd)?,
-            int(d.nh)?,
-            int(d.nkv)?,
-            int(d.qd)?,
-            d.eps,
-        );
+        let (h_i, eps) = (int(d.h)?, d.eps);
         let (n_i, ffn_i, nh_all) = (int(n)?, int(d.ffn)?, int(n * d.h)?);
-        let zero = 0i32;
         let null: u64 = 0;
         let scale = 1.0 / (d.hd as f32).sqrt();
         let section = |k: usize| k * mr..k * mr + n;
@@ -757,32 +750,26 @@ impl GpuDSpark {
             self.gemm
                 .linear(&l.wqkv, &self.act16, &mut self.qkv, width, d.h, n)
                 .map_err(gpu)?;
-            for (w, off, heads) in [(&l.q_norm, zero, d.nh), (&l.k_norm, qd_i, d.nkv)] {
-                let mut b = s.launch_builder(&self.k.head_rms_norm);
-                b.arg(&mut self.qkv)
-                    .arg(&w_i)
-                    .arg(&off)
-                    .arg(w)
-                    .arg(&hd_i)
-                    .arg(&eps);
-                unsafe { b.launch(grid_cfg(n, heads, 128)) }.map_err(gpu)?;
-            }
-            // q rotated in place; the block's k (rotated) and v stored after the context.
-            unsafe {
-                let mut b = s.launch_builder(&self.k.rope_kv_append);
-                b.arg(&mut self.qkv)
-                    .arg(&w_i)
-                    .arg(&nh_i)
-                    .arg(&nkv_i)
-                    .arg(&hd_i)
-                    .arg(&positions)
-                    .arg(&self.inv_freq)
-                    .arg(&slots)
-                    .arg(&mut l.k_ctx)
-                    .arg(&mut l.v_ctx);
-                b.launch(grid_cfg(n, d.nh + 2 * d.nkv, (d.hd / 2) as u32))
-                    .map_err(gpu)?;
-            }
+            // q/k head norms; q rotated in place; the block's k (rotated) and v stored after the
+            // context.
+            self.kernels
+                .qk_norm_rope_append(QkNormRopeAppend {
+                    rows: n,
+                    qkv: &mut self.qkv,
+                    row_stride: width,
+                    n_heads: d.nh,
+                    n_kv_heads: d.nkv,
+                    head_dim: d.hd,
+                    q_norm: &l.q_norm,
+                    k_norm: &l.k_norm,
+                    eps,
+                    positions: &positions,
+                    inv_freq: &self.inv_freq,
+                    slots: &slots,
+                    k_ctx: &mut l.k_ctx,
+                    v_ctx: &mut l.v_ctx,
+                })
+                .map_err(gpu)?;
             self.kernels
                 .block_attention(BlockAttention {
                     rows: n,
@@ -813,27 +800,43 @@ impl GpuDSpark {
                     .arg(&eps);
                 b.launch(rows_cfg(n, 128)).map_err(gpu)?;
             }
-            self.gemm
-                .linear(
-                    &l.w_gate_up,
-                    &self.act16,
-                    &mut self.gate_up,
-                    2 * d.ffn,
-                    d.h,
-                    n,
-                )
-                .map_err(gpu)?;
-            unsafe {
-                let mut b = s.launch_builder(&self.k.swiglu_bf16);
-                b.arg(&self.gate_up)
-                    .arg(&mut self.act16)
-                    .arg(&n_i)
-                    .arg(&ffn_i);
-                b.launch(LaunchConfig::for_num_elems((n * d.ffn) as u32))
+            let ffn_act = if self.paired_gate_up {
+                self.gemm
+                    .linear_swiglu(
+                        &l.w_gate_up,
+                        &self.act16,
+                        &mut self.gate_up,
+                        &mut self.ffn_act16,
+                        2 * d.ffn,
+                        d.h,
+                        n,
+                    )
                     .map_err(gpu)?;
-            }
+                &self.ffn_act16
+            } else {
+                self.gemm
+                    .linear(
+                        &l.w_gate_up,
+                        &self.act16,
+                        &mut self.gate_up,
+                        2 * d.ffn,
+                        d.h,
+                        n,
+                    )
+                    .map_err(gpu)?;
+                unsafe {
+                    let mut b = s.launch_builder(&self.k.swiglu_bf16);
+                    b.arg(&self.gate_up)
+                        .arg(&mut self.act16)
+                        .arg(&n_i)
+                        .arg(&ffn_i);
+                    b.launch(LaunchConfig::for_num_elems((n * d.ffn) as u32))
+                        .map_err(gpu)?;
+                }
+                &self.act16
+            };
             self.gemm
-                .linear_acc(&l.w_down, &self.act16, &mut self.x, d.h, d.ffn, n, true)
+                .linear_acc(&l.w_down, ffn_act, &mut self.x, d.h, d.ffn, n, true)
                 .map_err(gpu)?;
         }
         // Final norm in f32 (the hidden states the confidence head reads), then as bf16 into the LM

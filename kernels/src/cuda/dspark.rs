@@ -17,6 +17,7 @@ use std::sync::Arc;
 /// The kernels `dspark.cu` must export (checked at load, and for every architecture by the compile test).
 pub const DSPARK_KERNELS: &[&str] = &[
     "dspark_block_attention",
+    "dspark_qk_norm_rope_append",
     "dspark_markov_loop",
     "dspark_markov_cluster",
 ];
@@ -136,6 +137,28 @@ pub fn pack_markov_params(
     Ok((ints, floats))
 }
 
+/// Arguments of [`DSparkKernels::qk_norm_rope_append`]: `rows` rows of `qkv` (`row_stride` floats:
+/// `n_heads` q heads, `n_kv_heads` k heads, `n_kv_heads` v heads of `head_dim`); q and k heads are
+/// RMS-normed with `q_norm` / `k_norm` (`[head_dim]`) and rotated at `positions[row]` (q in place, k into
+/// the context), v copied; context row `slots[row]` of `k_ctx` / `v_ctx` (`[*, n_kv_heads * head_dim]`).
+pub struct QkNormRopeAppend<'a> {
+    pub rows: usize,
+    pub qkv: &'a mut CudaSlice<f32>,
+    pub row_stride: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub q_norm: &'a CudaSlice<f32>,
+    pub k_norm: &'a CudaSlice<f32>,
+    pub eps: f32,
+    pub positions: &'a CudaView<'a, i32>,
+    /// `[head_dim / 2]` RoPE inverse frequencies.
+    pub inv_freq: &'a CudaSlice<f64>,
+    pub slots: &'a CudaView<'a, i32>,
+    pub k_ctx: &'a mut CudaSlice<f32>,
+    pub v_ctx: &'a mut CudaSlice<f32>,
+}
+
 /// Arguments of [`DSparkKernels::block_attention`]: `rows` block rows whose q (RoPE applied) are the
 /// first `n_heads * head_dim` columns of `qkv` rows of `row_stride` floats; row i of the block attends
 /// to keys `0..key_counts[i]` of sequence slot `seq_of_row[i]` in `k_ctx`/`v_ctx`
@@ -230,6 +253,7 @@ pub struct DSparkKernels {
     stream: Arc<CudaStream>,
     _module: Arc<CudaModule>,
     attention: CudaFunction,
+    qk_norm_rope: CudaFunction,
     markov: CudaFunction,
     /// The cluster Markov loop and the dynamic shared memory it may use (sm_90 and later only).
     markov_cluster: Option<(CudaFunction, usize)>,
@@ -276,6 +300,7 @@ impl DSparkKernels {
         Ok(DSparkKernels {
             stream: device.stream.clone(),
             attention: module.load_function("dspark_block_attention")?,
+            qk_norm_rope: module.load_function("dspark_qk_norm_rope_append")?,
             markov: module.load_function("dspark_markov_loop")?,
             markov_cluster,
             _module: module,
@@ -389,6 +414,71 @@ impl DSparkKernels {
         // SAFETY: buffer sizes checked above; the caller guarantees key_counts in 1..=max_ctx and
         // sequence slots inside the context buffers; arguments in dspark_block_attention's order and
         // types.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// The q/k head norms, RoPE and the K/V store of block rows in one launch (see dspark.cu).
+    pub fn qk_norm_rope_append(&self, a: QkNormRopeAppend<'_>) -> Result<(), CudaError> {
+        if a.rows == 0 {
+            return Ok(());
+        }
+        let hd = a.head_dim;
+        if hd == 0 || !hd.is_multiple_of(2) || hd > MAX_HEAD_DIM {
+            return Err(shape(format!(
+                "DSpark q/k norm + RoPE: head_dim {hd} must be even and at most {MAX_HEAD_DIM}"
+            )));
+        }
+        let width = (a.n_heads + 2 * a.n_kv_heads) * hd;
+        let kv_dim = a.n_kv_heads * hd;
+        if a.row_stride < width {
+            return Err(shape(format!(
+                "DSpark q/k norm + RoPE: rows of {} floats cannot hold {width} q/k/v columns",
+                a.row_stride
+            )));
+        }
+        need("qkv", a.qkv.len(), a.rows * a.row_stride)?;
+        need("q norm", a.q_norm.len(), hd)?;
+        need("k norm", a.k_norm.len(), hd)?;
+        need("positions", a.positions.len(), a.rows)?;
+        need("context rows", a.slots.len(), a.rows)?;
+        need("RoPE frequencies", a.inv_freq.len(), hd / 2)?;
+        if a.k_ctx.len() != a.v_ctx.len() || !a.k_ctx.len().is_multiple_of(kv_dim) {
+            return Err(shape(format!(
+                "DSpark context buffers of {} and {} floats are not rows of {kv_dim}",
+                a.k_ctx.len(),
+                a.v_ctx.len()
+            )));
+        }
+        let (stride, nh, nkv, hd_i) = (
+            int("row stride", a.row_stride)?,
+            int("heads", a.n_heads)?,
+            int("kv heads", a.n_kv_heads)?,
+            int("head_dim", hd)?,
+        );
+        let mut b = self.stream.launch_builder(&self.qk_norm_rope);
+        b.arg(a.qkv)
+            .arg(&stride)
+            .arg(&nh)
+            .arg(&nkv)
+            .arg(&hd_i)
+            .arg(a.q_norm)
+            .arg(a.k_norm)
+            .arg(&a.eps)
+            .arg(a.positions)
+            .arg(a.inv_freq)
+            .arg(a.slots)
+            .arg(a.k_ctx)
+            .arg(a.v_ctx);
+        let cfg = LaunchConfig {
+            grid_dim: (a.rows as u32, (a.n_heads + 2 * a.n_kv_heads) as u32, 1),
+            // Whole warps (the sum of squares is reduced with full-warp shuffles); <= 4 warps.
+            block_dim: ((hd / 2).next_multiple_of(32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: buffer sizes checked above; the caller keeps context rows (slots) inside the context
+        // buffers (its own bookkeeping, as for block_attention); arguments in
+        // dspark_qk_norm_rope_append's order and types.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
