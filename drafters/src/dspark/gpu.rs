@@ -436,9 +436,7 @@ impl GpuDSpark {
             act16: s.alloc_zeros::<u16>(max_rows * act_width).map_err(gpu)?,
             qkv: zeros_f32(max_rows * width)?,
             gate_up: zeros_f32(max_block_rows * 2 * d.ffn)?,
-            ffn_act16: s
-                .alloc_zeros::<u16>(max_block_rows * d.ffn)
-                .map_err(gpu)?,
+            ffn_act16: s.alloc_zeros::<u16>(max_block_rows * d.ffn).map_err(gpu)?,
             paired_gate_up,
             hidden: zeros_f32(max_block_rows * d.h)?,
             logits: zeros_f32(max_block_rows * d.vd)?,

@@ -638,17 +638,11 @@ impl DSparkKernels {
             Some(m) => b.arg(m),
             None => b.arg(&null),
         };
-        b.arg(a.seq_i)
-            .arg(a.seq_f)
-            .arg(a.uniforms)
-            .arg(a.corrected);
+        b.arg(a.seq_i).arg(a.seq_f).arg(a.uniforms).arg(a.corrected);
         if w2_shared.is_none() {
             b.arg(a.masked);
         }
-        b.arg(a.probs)
-            .arg(a.conf_out)
-            .arg(a.tokens)
-            .arg(a.status);
+        b.arg(a.probs).arg(a.conf_out).arg(a.tokens).arg(a.status);
         if let Some(flag) = &w2_shared {
             b.arg(flag);
         }
