@@ -991,17 +991,13 @@ impl GpuDSpark {
             }
         }
         let (ints, floats) = pack_markov_params(params)?;
-        // The cluster kernel serves rows without top-k / top-p (a top_k at or above the row length
-        // keeps every id, as the single-CTA kernel's test does).
-        let n_row = |p: &MarkovSeqParams| {
-            if self.draft_to_target.is_some() {
+        // The cluster kernel serves rows without top-k / top-p.
+        let plain = params.iter().all(|p| {
+            p.plain_row(if self.draft_to_target.is_some() {
                 vd
             } else {
                 p.limit
-            }
-        };
-        let plain = params.iter().all(|p| {
-            (p.sampling.top_k == 0 || p.sampling.top_k >= n_row(p)) && p.sampling.top_p >= 1.0
+            })
         });
         let kernel = self.kernels.choose_markov(
             vd,

@@ -248,6 +248,43 @@ pub enum MarkovKernel {
     Cluster { w2_shared: bool },
 }
 
+/// The Markov kernel for a launch: the cluster loop when the device has one (`cluster_room`: the dynamic
+/// shared memory it may use) and `cluster_ok` (no row uses top-k / top-p, and the caller allows it), with
+/// W2 in shared memory when allowed, rank % 8 == 0 and it fits, else reading W2 from global memory when
+/// the rest fits; otherwise the single-CTA loop.
+pub fn markov_kernel_for(
+    cluster_room: Option<usize>,
+    vd: usize,
+    rank: usize,
+    cluster_ok: bool,
+    allow_w2_shared: bool,
+) -> MarkovKernel {
+    let Some(room) = cluster_room else {
+        return MarkovKernel::SingleCta;
+    };
+    if !cluster_ok || vd == 0 || rank == 0 {
+        return MarkovKernel::SingleCta;
+    }
+    if allow_w2_shared
+        && rank.is_multiple_of(8)
+        && DSparkKernels::cluster_smem_bytes(vd, rank, true) <= room
+    {
+        MarkovKernel::Cluster { w2_shared: true }
+    } else if DSparkKernels::cluster_smem_bytes(vd, rank, false) <= room {
+        MarkovKernel::Cluster { w2_shared: false }
+    } else {
+        MarkovKernel::SingleCta
+    }
+}
+
+impl MarkovSeqParams {
+    /// Whether the cluster Markov loop serves this sequence: no top-k (0, or at least the row's
+    /// `row_len` entries, which keeps every id) and no top-p.
+    pub fn plain_row(&self, row_len: usize) -> bool {
+        (self.sampling.top_k == 0 || self.sampling.top_k >= row_len) && self.sampling.top_p >= 1.0
+    }
+}
+
 /// The DSpark kernels compiled for one device, launching on its stream.
 pub struct DSparkKernels {
     stream: Arc<CudaStream>,
@@ -505,22 +542,13 @@ impl DSparkKernels {
         allow_cluster: bool,
         allow_w2_shared: bool,
     ) -> MarkovKernel {
-        let Some((_, room)) = &self.markov_cluster else {
-            return MarkovKernel::SingleCta;
-        };
-        if !allow_cluster || !plain_rows || vd == 0 || rank == 0 {
-            return MarkovKernel::SingleCta;
-        }
-        if allow_w2_shared
-            && rank.is_multiple_of(8)
-            && Self::cluster_smem_bytes(vd, rank, true) <= *room
-        {
-            MarkovKernel::Cluster { w2_shared: true }
-        } else if Self::cluster_smem_bytes(vd, rank, false) <= *room {
-            MarkovKernel::Cluster { w2_shared: false }
-        } else {
-            MarkovKernel::SingleCta
-        }
+        markov_kernel_for(
+            self.markov_cluster.as_ref().map(|(_, room)| *room),
+            vd,
+            rank,
+            plain_rows && allow_cluster,
+            allow_w2_shared,
+        )
     }
 
     /// The fused Markov loop over every slot of every sequence (one launch).
@@ -654,5 +682,132 @@ impl DSparkKernels {
         // and its shared memory was checked against the limit set in `new`.
         unsafe { b.launch(cfg) }?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seq(top_k: usize, top_p: f32) -> MarkovSeqParams {
+        MarkovSeqParams {
+            anchor: 3,
+            slots: 7,
+            sampling: SamplingParams {
+                temperature: 1.0,
+                top_k,
+                top_p,
+            },
+            limit: 4096,
+            confidence_threshold: None,
+        }
+    }
+
+    #[test]
+    fn cluster_shared_memory_matches_the_kernel_layout() {
+        // Embedded drafter: 512 ids per CTA, W2 rows of 128 + 8 padding bf16, then e (128 floats) and
+        // the slice's logits and probabilities.
+        assert_eq!(
+            DSparkKernels::cluster_smem_bytes(4096, 128, true),
+            512 * 136 * 2 + 4 * (128 + 2 * 512)
+        );
+        assert_eq!(
+            DSparkKernels::cluster_smem_bytes(4096, 128, false),
+            4 * (128 + 2 * 512)
+        );
+        // Ragged vocabulary and rank: slices of ceil(vd / 8), e rounded up to 4 floats, W2 to 16 bytes.
+        assert_eq!(
+            DSparkKernels::cluster_smem_bytes(1001, 13, false),
+            4 * (16 + 2 * 126)
+        );
+        assert_eq!(
+            DSparkKernels::cluster_smem_bytes(1001, 16, true),
+            (126 * 24 * 2usize).next_multiple_of(16) + 4 * (16 + 2 * 126)
+        );
+    }
+
+    #[test]
+    fn the_kernel_choice_follows_device_rows_and_room() {
+        let h200 = Some(227 * 1024 - 624);
+        assert_eq!(
+            markov_kernel_for(h200, 4096, 128, true, true),
+            MarkovKernel::Cluster { w2_shared: true }
+        );
+        // No clusters on the device, rows with top-k/top-p, or the caller's opt-out: single CTA.
+        assert_eq!(
+            markov_kernel_for(None, 4096, 128, true, true),
+            MarkovKernel::SingleCta
+        );
+        assert_eq!(
+            markov_kernel_for(h200, 4096, 128, false, true),
+            MarkovKernel::SingleCta
+        );
+        // W2 kept out of shared memory when not allowed, when the rank is not a multiple of 8, or when
+        // the slice does not fit (a 32k vocabulary at rank 256: 1 MB per CTA).
+        for (vd, rank, allow) in [(4096, 128, false), (4096, 12, true), (32768, 256, true)] {
+            assert_eq!(
+                markov_kernel_for(h200, vd, rank, true, allow),
+                MarkovKernel::Cluster { w2_shared: false },
+                "vd {vd} rank {rank}"
+            );
+        }
+        // Nothing fits: a vocabulary whose row slices alone overflow shared memory.
+        assert_eq!(
+            markov_kernel_for(h200, 8 * 40_000, 128, true, true),
+            MarkovKernel::SingleCta
+        );
+        assert_eq!(
+            markov_kernel_for(h200, 0, 128, true, true),
+            MarkovKernel::SingleCta
+        );
+    }
+
+    #[test]
+    fn plain_rows_have_no_top_k_or_top_p() {
+        assert!(seq(0, 1.0).plain_row(4096));
+        assert!(seq(4096, 1.0).plain_row(4096));
+        assert!(seq(5000, 1.0).plain_row(4096));
+        assert!(!seq(50, 1.0).plain_row(4096));
+        assert!(!seq(0, 0.95).plain_row(4096));
+    }
+
+    #[test]
+    fn markov_status_records_decode_to_their_failures() {
+        assert_eq!(decode_markov_status(&[SPL_OK, 0, 0, 7]), Ok(7));
+        assert_eq!(
+            decode_markov_status(&[SPL_NON_FINITE_LOGIT, 42, 3, 3]),
+            Err(MarkovFailure::NonFiniteLogit { slot: 3, index: 42 })
+        );
+        assert_eq!(
+            decode_markov_status(&[SPL_ALL_MASKED, 0, 2, 2]),
+            Err(MarkovFailure::AllMasked { slot: 2 })
+        );
+        assert_eq!(
+            decode_markov_status(&[DSP_BAD_TOKEN, -5, 1, 1]),
+            Err(MarkovFailure::BadToken { slot: 1, token: -5 })
+        );
+        assert_eq!(
+            decode_markov_status(&[DSP_NOTHING_ALLOWED, 0, 0, 0]),
+            Err(MarkovFailure::NothingAllowed)
+        );
+        assert_eq!(
+            decode_markov_status(&[SPL_BAD_BLOCK, 128, 0, 0]),
+            Err(MarkovFailure::BadBlock(128))
+        );
+        assert!(matches!(
+            decode_markov_status(&[99, 1, 0, 0]),
+            Err(MarkovFailure::Unknown { code: 99, .. })
+        ));
+        assert!(decode_markov_status(&[0, 0]).is_err());
+    }
+
+    #[test]
+    fn markov_params_pack_in_the_kernel_layout_and_are_validated() {
+        let mut s = seq(50, 0.9);
+        s.confidence_threshold = Some(0.25);
+        let (ints, floats) = pack_markov_params(&[s, seq(0, 1.0)]).unwrap();
+        assert_eq!(ints, vec![3, 7, 50, 4096, 3, 7, 0, 4096]);
+        assert_eq!(floats, vec![1.0, 0.9, 0.25, 1.0, 1.0, -1.0]);
+        assert!(pack_markov_params(&[seq(0, 1.5)]).is_err());
     }
 }
