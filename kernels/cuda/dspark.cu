@@ -340,7 +340,8 @@ dspark_markov_loop(const float* base_logits, const float* hidden, int g, int vd,
 // The same Markov loop spread over a cluster of DSP_CLUSTER CTAs per sequence (sm_90 and later), for
 // rows without top-k / top-p (the host picks dspark_markov_loop above for those). Why: with one CTA per
 // sequence a slot is bound by one SM streaming the 1 MB of W2 (vd x rank bf16) and by its block-wide
-// passes over the whole row; measured on the H200 at ~46 us per slot for the embedded drafter. Here CTA c
+// passes over the whole row (the embedded drafter on the H200, 7 greedy slots: 321 us on one CTA, 46 us
+// on this kernel; NOTES v0.5e). Here CTA c
 // of a sequence's cluster owns draft ids [c * S, (c + 1) * S), S = ceil(vd / DSP_CLUSTER), keeps its
 // slice of W2 in shared memory for the whole loop (staged once per launch, rows padded by DSP_W2_PAD
 // entries so one thread per row reads 16 bytes without bank conflicts), and computes the corrected

@@ -9,8 +9,11 @@
 //! pass writes the block's own keys/values right after the context and attends to context + block with
 //! no mask (`dspark_block_attention`); the next append overwrites those rows, so the block is never
 //! cached and a rejection needs no rollback — as on the CPU, where context rows are only ever appended
-//! for committed positions. The Markov loop runs every slot of every sequence in one launch
-//! (`dspark_markov_loop`).
+//! for committed positions. The Markov loop runs every slot of every sequence in one launch:
+//! on sm_90+ for rows without top-k / top-p, a thread-block cluster of 8 CTAs per sequence
+//! (`dspark_markov_cluster`, each CTA with an eighth of the vocabulary and of W2 in shared memory);
+//! otherwise one CTA per sequence (`dspark_markov_loop`). Per layer, the block pass runs the q/k head
+//! norms, RoPE and the K/V store as one launch and SwiGLU inside the gate/up GEMM.
 //!
 //! Latency: a proposal is a few dozen small kernels on tiny tensors, so host overhead is most of its
 //! cost. The block pass (per batch size) and small context appends (per row count) are captured into
@@ -381,14 +384,19 @@ impl GpuDSpark {
         if paired_gate_up {
             let interleave = f("interleave_gate_up")?;
             let (ffn_i, h_i) = (int(d.ffn)?, int(d.h)?);
+            let mut unpaired = Vec::with_capacity(layers.len());
             for l in &mut layers {
                 let mut dst = s.alloc_zeros::<u16>(2 * d.ffn * d.h).map_err(gpu)?;
                 let mut b = s.launch_builder(&interleave);
                 b.arg(&l.w_gate_up).arg(&mut dst).arg(&ffn_i).arg(&h_i);
                 // SAFETY: both buffers hold 2 * ffn * h elements; interleave_gate_up's arguments.
                 unsafe { b.launch(rows_cfg(2 * d.ffn, 256)) }.map_err(gpu)?;
-                l.w_gate_up = dst;
+                unpaired.push(std::mem::replace(&mut l.w_gate_up, dst));
             }
+            // The unpaired copies are freed only after the copies from them have run (event tracking
+            // is off on this device, so nothing else orders the free after the kernels).
+            s.synchronize().map_err(gpu)?;
+            drop(unpaired);
         }
         let ids = |v: &[u32]| -> Result<CudaSlice<i32>, DraftError> {
             let v: Vec<i32> = v.iter().map(|&x| x as i32).collect();
