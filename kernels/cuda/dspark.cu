@@ -480,6 +480,9 @@ dspark_markov_cluster(const float* base_logits, const float* hidden, int g, int 
             fail_slot = j;
             break;
         }
+        // e and the confidence logit as in dspark_markov_loop, written out again on purpose: moved into
+        // shared device functions (session 9), NVRTC allocated both kernels' registers differently (this
+        // one went from 128 registers and no spills to 80 with spills), so the measured code stays inline.
         const int w1_row = w1_row_of_token ? w1_row_of_token[prev] : prev;
         for (int c = tid; c < rank; c += nt)
             e_s[c] = w1_row >= 0 ? dsp_bf16_to_f32(w1[(size_t)w1_row * rank + c]) : 0.0f;
