@@ -886,3 +886,878 @@ fused_forward_x2(const FusedParams* __restrict__ params, int rows, int n_logits,
     const FusedTaps taps = {tap_buf, tap_layers, tap_count, tap_stride};
     fused_forward_body(params, rows, n_logits, flags, taps);
 }
+
+// ===================================================================================================
+// v2 (FusedOptions::dataflow; `fused_forward_v2`): the same step without grid barriers, for steps of at
+// most FV2_MAX_ROWS rows (the host launches v1 above for more, and wherever v2's shared-memory plan
+// leaves fewer than two ring slots). Why (experiments/fused/README.md, "Plan for v2"): v1 spends most
+// of a 1 x 1 step in per-phase fixed latency -- 129 grid barriers and their skew, norm and RoPE phases
+// of a few microseconds on a handful of CTAs while 132 wait, attention on the critical path at ~15 us per
+// layer -- while the weights stream at ~4 TB/s whenever a phase is long enough.
+//
+// Schedule. Five stages per layer, each a list of work items with a static owner CTA (a pure function
+// of the launch shape, so graphs replay it):
+//   Q  QKV tiles (contiguous tile range per CTA, as v1). The attention RMSNorm is computed by every CTA
+//      that has QKV tiles, while staging its activations (layer 0: from the embedding rows); the output
+//      is the raw qkv (no bias).
+//   A  attention items (sequence, KV head, key split of <= FV2_ATT_KEYS keys): each adds the qkv bias,
+//      applies the q/k head norms and RoPE to the rows it needs (q of its G heads, the new k and v of the
+//      sequence), appends the new k/v of the positions in its own key range to the cache (one writer per
+//      position), and runs an online softmax over its keys: the cached ones prefetched into shared
+//      memory with cp.async BEFORE waiting for Q (they do not depend on this step). More than one split:
+//      the last split to arrive (per (sequence, KV head) counter) combines the partials in split order.
+//   O  O-projection tiles: x += attention output (+ o bias); at layer 0 x = embedding + ... (the same
+//      sums as the standard step's embed, then accumulate).
+//   G  gate/up tiles with the FFN RMSNorm computed while staging, SwiGLU in the epilogue.
+//   D  down-projection tiles: x += (+ tapped-layer copies).
+// then the LM head tiles (final RMSNorm of the logits rows computed while staging).
+//
+// Synchronisation: one monotonic 64-bit counter per (layer, stage). A CTA arrives on it once after its
+// items of that stage (arrivals are release atomics after the consumer warps' barrier, fv2_sync); a CTA
+// waits on the previous stage's counter only before its FIRST item of a stage (acquire polls by thread
+// 0, then fv2_sync),
+// and a CTA with no items in a stage arrives without waiting. Completion: counter == (epoch + 1) * grid,
+// epoch = the launch's index, from a launch counter every CTA increments once at start (launches on a
+// stream do not overlap, so the counters stay multiples of the grid between launches and graph replays
+// need no reset). Since a CTA arrives on stage s only after finishing its items of every stage <= s, a
+// full counter of stage s means every item of stages <= s is complete. That covers every hazard: each
+// buffer's readers and next writers are at least one stage apart (qkv: Q writes, A reads, next Q writes
+// after D; act16: A -> O; ffn_act16: G -> D; x: O and D write, G and the next Q read), and no CTA can
+// start a stage's item before the previous stage is complete.
+//
+// Weights: the ring of v1, in 64 KB slots of one 16-row tile x up to FV2_CHUNK_K columns (one bulk copy
+// when K <= FV2_CHUNK_K, else 16 row copies; 32 KB slots with two copies per tile measured 6% slower at
+// 1 x 1, NOTES v0.14). A CTA is 8 consumer warps (threads 0-255: every stage's work, synchronised by
+// named barrier 1, fv2_sync) plus one producer warp (warp 8) that only walks this CTA's whole chunk
+// sequence across stages and layers: it waits for a slot's release (the `empty` mbarrier, arrived by
+// consumer thread 0 after the CTA is done with the slot) and issues the next copy. So during a counter
+// wait the next stage's weights keep landing, and issuing a copy (~1 us per 64 KB copy while the copy
+// engine is busy, measured) never stalls the consumers (issued by consumer warp 0, it cost 18-24%).
+//
+// Activations produced inside the kernel are read with ld.global.cg (L2, never a stale L1 line).
+// Determinism: every output element has one owner; the norms are computed identically by every CTA that
+// stages them; the attention split count is a function of the sequence's key count; no float atomics.
+// The arithmetic differs from the standard step's in summation order only (parity to rounding).
+#define FV2_MAX_ROWS 16
+#define FV2_CHUNK_K 2048
+#define FV2_SLOT_BYTES (16 * FV2_CHUNK_K * 2)
+#define FV2_MAX_SLOTS 8
+#define FV2_ATT_KEYS 32
+#define FV2_MAX_SPLITS 32
+#define FV2_STAGES 5
+#define FV2_CTR_WORDS 16  // u64 words between counters (each on its own 128-byte line)
+#define FV2_XS_PAD 64
+#define FV2_SPIN_LIMIT (1u << 26)
+
+// The 8 consumer warps' barrier (named barrier 1): the producer warp (warp 8) never joins it.
+__device__ __forceinline__ void fv2_sync() { asm volatile("bar.sync 1, %0;" ::"n"(FUSED_THREADS) : "memory"); }
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+__device__ __forceinline__ void fv2_mbar_arrive(unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(fused_smem_addr(bar)) : "memory");
+}
+#else
+__device__ __forceinline__ void fv2_mbar_arrive(unsigned long long*) { __trap(); }
+#endif
+#define FV2_THREADS (FUSED_THREADS + 32)
+
+__device__ __forceinline__ float4 fv2_ldcg4(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
+__device__ __forceinline__ uint4 fv2_ldcg16(const unsigned short* p) {
+    return __ldcg(reinterpret_cast<const uint4*>(p));
+}
+
+// The step's sequences: maximal runs of rows with the same block table and consecutive positions.
+struct Fv2Seqs {
+    int n;
+    int first[FV2_MAX_ROWS], rows[FV2_MAX_ROWS], pos0[FV2_MAX_ROWS], splits[FV2_MAX_ROWS];
+    int items;  // attention items: sum over sequences of n_kv_heads x splits
+};
+
+// Key splits of a sequence with `keys` keys: <= FV2_ATT_KEYS keys each while that takes at most
+// FV2_MAX_SPLITS splits, more keys per split (several tiles) beyond.
+__device__ __forceinline__ int fv2_splits(int keys) {
+    return min(FV2_MAX_SPLITS, (keys + FV2_ATT_KEYS - 1) / FV2_ATT_KEYS);
+}
+
+struct Fv2Ring {
+    unsigned char* slots;
+    unsigned long long* bars;
+    unsigned long long* empty;  // consumers' releases (arrival count 1: thread 0 after the CTA's sync)
+    int stages;
+    unsigned int consumed;
+};
+
+// The producer warp's cursor over this CTA's chunk sequence (phases 4 l + {QKV, O, gate/up, down}, then the head).
+struct Fv2Producer {
+    int phase, phases, tile, t1, kc, kchunks, N, K;
+    const unsigned short* w;
+    unsigned int issued;
+};
+
+__device__ void fv2_producer_seek(const FusedParams& p, Fv2Producer& q, int phase) {
+    for (q.phase = phase; q.phase < q.phases; ++q.phase) {
+        fused_phase_matrix(p, q.phase, &q.w, &q.N, &q.K);
+        fused_tile_range(q.N, &q.tile, &q.t1);
+        q.kc = 0;
+        q.kchunks = (q.K + FV2_CHUNK_K - 1) / FV2_CHUNK_K;
+        if (q.tile < q.t1) return;
+    }
+}
+
+// Copies the next chunk (a tile's 16 rows, fewer at the end of a matrix) into its slot; past the end,
+// nothing. All 32 lanes of the producer warp call it with identical cursors: lane 0 sets the transaction
+// count, then one copy (lane 0) or one row copy per lane.
+__device__ void fv2_producer_issue(const FusedParams& p, Fv2Producer& q, Fv2Ring& ring) {
+    if (q.phase >= q.phases) return;
+    const int lane = threadIdx.x & 31;
+    const int slot = (int)(q.issued % (unsigned)ring.stages);
+    unsigned char* dst = ring.slots + (size_t)slot * FV2_SLOT_BYTES;
+    const int k0 = q.kc * FV2_CHUNK_K;
+    const int width = min(FV2_CHUNK_K, q.K - k0);
+    const int r0 = q.tile * 16;
+    const int nrows = max(0, min(16, q.N - r0));
+    const unsigned int bytes = (unsigned int)width * 2u;
+    if (lane == 0) fused_mbar_expect(&ring.bars[slot], bytes * (unsigned)nrows);
+    __syncwarp();
+    if (q.K <= FV2_CHUNK_K) {
+        if (lane == 0 && nrows > 0) {
+            fused_bulk_copy(dst, q.w + (size_t)r0 * q.K, bytes * (unsigned)nrows, &ring.bars[slot]);
+        }
+    } else if (lane < nrows) {
+        fused_bulk_copy(dst + lane * (FV2_CHUNK_K * 2), q.w + (size_t)(r0 + lane) * q.K + k0, bytes,
+                        &ring.bars[slot]);
+    }
+    ++q.issued;
+    if (++q.kc == q.kchunks) {
+        q.kc = 0;
+        if (++q.tile == q.t1) fv2_producer_seek(p, q, q.phase + 1);
+    }
+}
+
+// Stage counters. Arrive: every thread's writes of the stage are ordered before thread 0's release add
+// by the __syncthreads (as v1's grid barrier). Wait: thread 0 polls with acquire loads, then the CTA
+// proceeds together.
+__device__ __forceinline__ void fv2_arrive(unsigned long long* ctr) {
+    fv2_sync();
+    if (threadIdx.x == 0) {
+        unsigned long long old;
+        asm volatile("atom.add.release.gpu.u64 %0, [%1], 1;" : "=l"(old) : "l"(ctr) : "memory");
+    }
+}
+__device__ __forceinline__ void fv2_wait(const unsigned long long* ctr, unsigned long long target) {
+    if (threadIdx.x == 0) {
+        unsigned long long now;
+        unsigned int spins = 0;
+        while (true) {
+            asm volatile("ld.acquire.gpu.u64 %0, [%1];" : "=l"(now) : "l"(ctr) : "memory");
+            if (now >= target) break;
+            if (++spins > 32) __nanosleep(20);
+            if (spins == FV2_SPIN_LIMIT) __trap();
+        }
+    }
+    fv2_sync();
+}
+
+// Where a GEMM stage's activations come from and where its sums go.
+#define FV2_SRC_BF16 0        // x16 [M, K] bf16, written earlier in this kernel
+#define FV2_SRC_NORM 1        // RMSNorm(xf[src_rows ? src_rows[m] : m]) * norm_w, f32 rows
+#define FV2_SRC_EMBED_NORM 2  // RMSNorm(embed[tokens[m]]) * norm_w (layer 0)
+#define FV2_OUT_PLAIN 0       // out[m, n] = sum
+#define FV2_OUT_ACC 1         // out[m, n] = (init_embed ? embed[tokens[m], n] : out[m, n]) + sum (+ bias[n])
+#define FV2_OUT_SWIGLU 2      // act[m, f] = silu(gate) * up, gate/up rows paired in groups of 8
+struct Fv2Gemm {
+    int N, K, M;
+    int src;
+    const unsigned short* x16;
+    const float* xf;
+    const int* src_rows;
+    const float* norm_w;
+    const unsigned short* embed;
+    const int* tokens;
+    int out_mode;
+    float* out;
+    unsigned short* act;
+    const float* bias;
+    const unsigned short* init_embed;
+};
+
+// Bytes of the GEMM reduction scratch for NT 8-row activation blocks (host: gpu_fused.rs v2_plan).
+__device__ __forceinline__ int fv2_red_bytes(int nt) { return nt * 8 * 8 * 16 * 4; }
+
+// inv_rms[m] for the M source rows of a norm stage: all rows' loads in flight together (elements outer,
+// rows inner), warp sums, then a fixed-order sum over the 8 warps.
+__device__ void fv2_row_rms(const FusedParams& p, const Fv2Gemm& g, float* inv_rms) {
+    __shared__ float wsum[8][FV2_MAX_ROWS];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    float ss[FV2_MAX_ROWS];
+#pragma unroll
+    for (int m = 0; m < FV2_MAX_ROWS; ++m) ss[m] = 0.0f;
+    if (g.src == FV2_SRC_EMBED_NORM) {
+        for (int i = tid * 8; i < g.K; i += 8 * FUSED_THREADS) {
+#pragma unroll
+            for (int m = 0; m < FV2_MAX_ROWS; ++m) {
+                if (m < g.M) {
+                    const uint4 v = *reinterpret_cast<const uint4*>(g.embed + (size_t)g.tokens[m] * g.K + i);
+                    const unsigned int u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const float a = bf16_to_f32((unsigned short)(u[j] & 0xffffu));
+                        const float b = bf16_to_f32((unsigned short)(u[j] >> 16));
+                        ss[m] += a * a + b * b;
+                    }
+                }
+            }
+        }
+    } else {
+        for (int i = tid * 4; i < g.K; i += 4 * FUSED_THREADS) {
+#pragma unroll
+            for (int m = 0; m < FV2_MAX_ROWS; ++m) {
+                if (m < g.M) {
+                    const int r = g.src_rows ? g.src_rows[m] : m;
+                    const float4 v = fv2_ldcg4(g.xf + (size_t)r * g.K + i);
+                    ss[m] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < FV2_MAX_ROWS; ++m) {
+        if (m < g.M) {
+            float s = ss[m];
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            if (lane == 0) wsum[warp][m] = s;
+        }
+    }
+    fv2_sync();
+    if (tid < g.M) {
+        float total = 0.0f;
+        for (int w = 0; w < 8; ++w) total += wsum[w][tid];
+        inv_rms[tid] = 1.0f / sqrtf(total / (float)g.K + p.eps);
+    }
+    fv2_sync();
+}
+
+// Stages activation columns [k0, k0 + width) of the M rows as bf16 into xs (row stride xs_stride).
+__device__ void fv2_stage(const Fv2Gemm& g, const float* inv_rms, int k0, int width, unsigned char* xs,
+                          int xs_stride) {
+    const int per_row = width / 8;  // 8-column pieces
+    const int pieces = g.M * per_row;
+    for (int base = threadIdx.x; base < pieces; base += 4 * FUSED_THREADS) {
+        uint4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int i = base + u * FUSED_THREADS;
+            if (i >= pieces) continue;
+            const int m = i / per_row, c = k0 + (i % per_row) * 8;
+            if (g.src == FV2_SRC_BF16) {
+                v[u] = fv2_ldcg16(g.x16 + (size_t)m * g.K + c);
+            } else {
+                float x[8];
+                if (g.src == FV2_SRC_EMBED_NORM) {
+                    const uint4 e = *reinterpret_cast<const uint4*>(g.embed + (size_t)g.tokens[m] * g.K + c);
+                    const unsigned int w4[4] = {e.x, e.y, e.z, e.w};
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        x[2 * j] = bf16_to_f32((unsigned short)(w4[j] & 0xffffu));
+                        x[2 * j + 1] = bf16_to_f32((unsigned short)(w4[j] >> 16));
+                    }
+                } else {
+                    const int r = g.src_rows ? g.src_rows[m] : m;
+                    const float4 a = fv2_ldcg4(g.xf + (size_t)r * g.K + c);
+                    const float4 b = fv2_ldcg4(g.xf + (size_t)r * g.K + c + 4);
+                    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+                    x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+                }
+                const float inv = inv_rms[m];
+                unsigned int o[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    // rms_norm_bf16_body's expression: w * (x * inv), rounded to bf16.
+                    const unsigned int lo = f32_to_bf16(g.norm_w[c + 2 * j] * (x[2 * j] * inv));
+                    const unsigned int hi = f32_to_bf16(g.norm_w[c + 2 * j + 1] * (x[2 * j + 1] * inv));
+                    o[j] = lo | (hi << 16);
+                }
+                v[u] = make_uint4(o[0], o[1], o[2], o[3]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int i = base + u * FUSED_THREADS;
+            if (i < pieces) {
+                *reinterpret_cast<uint4*>(xs + (size_t)(i / per_row) * xs_stride + (i % per_row) * 16) = v[u];
+            }
+        }
+    }
+}
+
+// The tile epilogue: 8-warp reduction in warp order through `red`, then the write.
+template <int NT>
+__device__ __forceinline__ void fv2_tile_out(const FusedParams& p, const Fv2Gemm& g, float (&c)[NT][4], int tile,
+                                             float* red, const FusedTaps* taps, bool tapped, int layer) {
+    constexpr int MR = 8 * NT;  // activation rows per tile pass
+    float(*r3)[MR][16] = reinterpret_cast<float(*)[MR][16]>(red);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+        r3[warp][j * 8 + 2 * t][gq] = c[j][0];
+        r3[warp][j * 8 + 2 * t + 1][gq] = c[j][1];
+        r3[warp][j * 8 + 2 * t][gq + 8] = c[j][2];
+        r3[warp][j * 8 + 2 * t + 1][gq + 8] = c[j][3];
+    }
+    fv2_sync();
+    if (g.out_mode == FV2_OUT_SWIGLU) {
+        const int ffn = g.N / 2;
+        for (int idx = threadIdx.x; idx < MR * 8; idx += FUSED_THREADS) {
+            const int m = idx / 8, r = idx % 8;
+            const int f = tile * 8 + r;
+            if (m >= g.M || f >= ffn) continue;
+            float gs = 0.0f, us = 0.0f;
+#pragma unroll
+            for (int w = 0; w < 8; ++w) {
+                gs += r3[w][m][r];
+                us += r3[w][m][r + 8];
+            }
+            g.act[(size_t)m * ffn + f] = f32_to_bf16(gs / (1.0f + expf(-gs)) * us);
+        }
+    } else {
+        for (int idx = threadIdx.x; idx < MR * 16; idx += FUSED_THREADS) {
+            const int m = idx / 16, r = idx % 16;
+            const int n = tile * 16 + r;
+            if (m >= g.M || n >= g.N) continue;
+            float sum = 0.0f;
+#pragma unroll
+            for (int w = 0; w < 8; ++w) sum += r3[w][m][r];
+            float* dst = g.out + (size_t)m * g.N + n;
+            float v = sum;
+            if (g.out_mode == FV2_OUT_ACC) {
+                const float base = g.init_embed ? bf16_to_f32(g.init_embed[(size_t)p.tokens[m] * g.N + n]) : __ldcg(dst);
+                v = base + sum;
+                if (g.bias) v += g.bias[n];  // the standard step: (x + s) + b
+                if (tapped) {
+                    for (int sl = 0; sl < taps->count; ++sl) {
+                        if (((taps->layers >> (8 * sl)) & 0xffull) != (unsigned)layer) continue;
+                        taps->buf[(size_t)sl * taps->stride + (size_t)m * g.N + n] = v;
+                    }
+                }
+            }
+            *dst = v;
+        }
+    }
+    fv2_sync();  // red is reused by the next tile
+}
+
+// One GEMM stage: this CTA's tile range of the stage's matrix, weights from the ring.
+template <int NT>
+__device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Producer& q, Fv2Ring& ring, const Fv2Gemm& g,
+                                      unsigned char* scratch, int scratch_bytes, const FusedTaps* taps, int layer,
+                                      int t0, int t1, unsigned long long* prof_t) {
+    __shared__ float inv_rms[FV2_MAX_ROWS];
+    bool tapped = false;
+    if (taps) {
+        for (int sl = 0; sl < taps->count; ++sl) tapped |= ((taps->layers >> (8 * sl)) & 0xffull) == (unsigned)layer;
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
+    float* red = reinterpret_cast<float*>(scratch);
+    unsigned char* xs = scratch + fv2_red_bytes(NT);
+    const int xs_cap = scratch_bytes - fv2_red_bytes(NT);
+    const int kchunks = (g.K + FV2_CHUNK_K - 1) / FV2_CHUNK_K;
+    // The whole K staged once when it fits (every stage at one row), else one chunk at a time.
+    const bool whole = g.M * (g.K * 2 + FV2_XS_PAD) <= xs_cap;
+    const int span = whole ? g.K : FV2_CHUNK_K;
+    const int xs_stride = span * 2 + FV2_XS_PAD;
+    const int w_stride = g.K <= FV2_CHUNK_K ? g.K * 2 : FV2_CHUNK_K * 2;  // bytes between weight rows in a slot
+    long long ts = clock64();
+    if (g.src != FV2_SRC_BF16) fv2_row_rms(p, g, inv_rms);
+    if (whole) {
+        fv2_stage(g, inv_rms, 0, g.K, xs, xs_stride);
+        fv2_sync();
+    }
+    fused_prof_add(22, ts);
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    for (int tile = t0; tile < t1; ++tile) {
+        float c[NT][4];
+#pragma unroll
+        for (int i = 0; i < NT; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.0f;
+        for (int kc = 0; kc < kchunks; ++kc) {
+            const int k0 = kc * FV2_CHUNK_K;
+            const int width = min(FV2_CHUNK_K, g.K - k0);
+            if (!whole) {
+                ts = clock64();
+                fv2_stage(g, inv_rms, k0, width, xs, xs_stride);
+                fv2_sync();
+                fused_prof_add(22, ts);
+            }
+            const int xk0 = whole ? k0 : 0;
+            const unsigned int c0 = ring.consumed;
+            const int s0 = (int)(c0 % (unsigned)ring.stages);
+            ts = clock64();
+            fused_mbar_wait(&ring.bars[s0], (c0 / (unsigned)ring.stages) & 1u);
+            fused_prof_add(20, ts);
+            ts = clock64();
+            const unsigned char* st0 = ring.slots + (size_t)s0 * FV2_SLOT_BYTES;
+            for (int sc = warp; sc * 32 < width; sc += 8) {
+                const int kl = sc * 32 + t * 8;
+                const uint4 a_lo = *reinterpret_cast<const uint4*>(st0 + gq * w_stride + kl * 2);
+                const uint4 a_hi = *reinterpret_cast<const uint4*>(st0 + (gq + 8) * w_stride + kl * 2);
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const int m = nt * 8 + gq;
+                    const uint4 b =
+                        m < g.M ? *reinterpret_cast<const uint4*>(xs + (size_t)m * xs_stride + (xk0 + kl) * 2) : zero;
+                    mma_bf16_16816(c[nt], a_lo.x, a_hi.x, a_lo.y, a_hi.y, b.x, b.y);
+                    mma_bf16_16816(c[nt], a_lo.z, a_hi.z, a_lo.w, a_hi.w, b.z, b.w);
+                }
+            }
+            fv2_sync();  // every warp is done with the slot (and with xs when staged per chunk)
+            fused_prof_add(0, ts);
+            if (threadIdx.x == 0) fv2_mbar_arrive(&ring.empty[s0]);
+            ring.consumed += 1;
+        }
+        ts = clock64();
+        fv2_tile_out<NT>(p, g, c, tile, red, taps, tapped, layer);
+        fused_prof_add(21, ts);
+    }
+}
+
+// Attention scratch (floats, from the start of the scratch region) for a sequence of `rows` rows:
+// K and V tiles [2][FV2_ATT_KEYS][hd + 4] | q [rows G][hd] | acc [rows G][hd] | m, l [rows G] |
+// new k, v [2][rows][hd] | cache slots [FV2_ATT_KEYS] (ints). Host: gpu_fused.rs v2_attention_bytes.
+__device__ __forceinline__ int fv2_kv_stride(int hd) { return hd + 4; }
+
+// The item's tile of keys [kt, kt + nk) into kv_s: cached keys (position < pos0) by cp.async from the
+// cache (slots through the block table), this step's keys from nk_s / nv_s. Commits one group.
+__device__ void fv2_load_keys(const FusedParams& p, const FusedLayer& L, int table_row, int pos0, int kt, int nk,
+                              int kvh, float* kv_s, const float* nkv_s, int rows, int* slot_s) {
+    const int hd = p.head_dim, ks = fv2_kv_stride(hd), kv_dim = p.n_kv_heads * hd;
+    const int* table = p.block_tables + (size_t)table_row * p.max_blocks;
+    if (threadIdx.x < nk) {
+        const int kp = kt + threadIdx.x;
+        slot_s[threadIdx.x] = kp < pos0 ? table[kp / p.block_size] * p.block_size + kp % p.block_size : -1;
+    }
+    fv2_sync();
+    const int per_key = hd / 4;  // 16-byte pieces per key vector
+    for (int i = threadIdx.x; i < 2 * nk * per_key; i += FUSED_THREADS) {
+        const int which = i / (nk * per_key), rem = i % (nk * per_key);
+        const int j = rem / per_key, c = (rem % per_key) * 4;
+        float* dst = kv_s + ((size_t)which * FV2_ATT_KEYS + j) * ks + c;
+        const int slot = slot_s[j];
+        if (slot >= 0) {
+            const float* src = (which ? L.v_cache : L.k_cache) + (size_t)slot * kv_dim + kvh * hd + c;
+            fused_cp_async_16(dst, src);
+        } else {
+            const int r = kt + j - pos0;  // this step's key: row r of the sequence
+            *reinterpret_cast<float4*>(dst) = *reinterpret_cast<const float4*>(nkv_s + ((size_t)which * rows + r) * hd + c);
+        }
+    }
+    fused_cp_async_commit();
+}
+
+// One lane's share of a head vector (hd / 32 elements: lane + 32 i) after bias, head norm and RoPE.
+// `y` = head index in the qkv row (q heads, k heads, v heads); RoPE for q and k heads, the norm for q/k
+// heads when the model has it. Pairs (d, d + hd/2) sit in one lane since hd % 64 == 0.
+__device__ __forceinline__ void fv2_head(const FusedParams& p, const FusedLayer& L, int row, int y, int pos,
+                                         float* v) {
+    const int hd = p.head_dim, per = hd / 32, lane = threadIdx.x & 31;
+    const int width = (p.n_heads + 2 * p.n_kv_heads) * hd;
+    const float* src = p.qkv + (size_t)row * width + (size_t)y * hd;
+    float ss = 0.0f;
+    for (int i = 0; i < per; ++i) {
+        float x = __ldcg(src + lane + 32 * i);
+        if (L.bqkv) x += L.bqkv[y * hd + lane + 32 * i];
+        v[i] = x;
+        ss += x * x;
+    }
+    if (y >= p.n_heads + p.n_kv_heads) return;  // v head: bias only
+    if (L.q_norm) {
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        const float inv = 1.0f / sqrtf(ss / (float)hd + p.eps);
+        const float* w = y < p.n_heads ? L.q_norm : L.k_norm;
+        for (int i = 0; i < per; ++i) v[i] = w[lane + 32 * i] * (v[i] * inv);
+    }
+    const int half = per / 2;
+    for (int i = 0; i < half; ++i) {
+        float ra, rb;
+        rope_rotate(&v[i], &v[i + half], pos, p.inv_freq[lane + 32 * i], &ra, &rb);
+        v[i] = ra;
+        v[i + half] = rb;
+    }
+}
+
+// One attention item: sequence `s`, KV head `kvh`, key split `split`. Returns after the item's output
+// (one split) or partial (+ the combine when it is the last split to arrive) is written.
+__device__ __noinline__ void fv2_attention_item(const FusedParams& p, const FusedLayer& L, const Fv2Seqs& sq,
+                                                int s, int kvh, int split, float* smem, bool prefetched,
+                                                const unsigned long long* q_ctr, unsigned long long target,
+                                                bool* waited) {
+    __shared__ int last_s;
+    const int hd = p.head_dim, ks = fv2_kv_stride(hd), G = p.n_heads / p.n_kv_heads, per = hd / 32;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int rows = sq.rows[s], r0 = sq.first[s], pos0 = sq.pos0[s];
+    const int keys = pos0 + rows, splits = sq.splits[s];
+    const int per_split = (keys + splits - 1) / splits;
+    const int kb = split * per_split, ke = min(keys, kb + per_split);
+    const int QV = rows * G;
+    const int table_row = p.row_table[r0];
+    float* kv_s = smem;
+    float* q_s = kv_s + 2 * FV2_ATT_KEYS * ks;
+    float* acc_s = q_s + QV * hd;
+    float* m_s = acc_s + QV * hd;
+    float* l_s = m_s + QV;
+    float* nkv_s = l_s + QV;
+    int* slot_s = reinterpret_cast<int*>(nkv_s + 2 * rows * hd);
+    const int kv_dim = p.n_kv_heads * hd;
+    // The first tile's cached keys before the wait (they do not depend on this step).
+    const int first_nk = min(FV2_ATT_KEYS, ke - kb);
+    const bool first_cached_only = kb + first_nk <= pos0;
+    if (!prefetched && first_cached_only) fv2_load_keys(p, L, table_row, pos0, kb, first_nk, kvh, kv_s, nkv_s, rows, slot_s);
+    if (!*waited) {
+        const long long tw = clock64();
+        fv2_wait(q_ctr, target);
+        fused_prof_add(13, tw);
+        *waited = true;
+    }
+    // q of the G heads of every row (pre-scaled), the new k and v of the sequence: one warp per vector.
+    float v[8];
+    for (int vec = warp; vec < QV + 2 * rows; vec += 8) {
+        int row, y, out_q = -1;
+        if (vec < QV) {
+            row = r0 + vec / G;
+            y = kvh * G + vec % G;
+            out_q = vec;
+        } else {
+            const int r = (vec - QV) % rows;
+            row = r0 + r;
+            y = p.n_heads + (vec - QV < rows ? 0 : p.n_kv_heads) + kvh;
+        }
+        fv2_head(p, L, row, y, p.positions[row], v);
+        if (out_q >= 0) {
+            for (int i = 0; i < per; ++i) q_s[out_q * hd + lane + 32 * i] = v[i] * p.scale;
+        } else {
+            const int which = vec - QV < rows ? 0 : 1, r = (vec - QV) % rows;
+            for (int i = 0; i < per; ++i) nkv_s[(which * rows + r) * hd + lane + 32 * i] = v[i];
+            // Append to the cache the positions of this item's key range (one writer per position).
+            const int kp = pos0 + r;
+            if (kp >= kb && kp < ke) {
+                float* dst = (which ? L.v_cache : L.k_cache) + (size_t)p.slots[row] * kv_dim + kvh * hd;
+                for (int i = 0; i < per; ++i) dst[lane + 32 * i] = v[i];
+            }
+        }
+    }
+    for (int i = tid; i < QV; i += FUSED_THREADS) {
+        m_s[i] = SPECULA_NEG_INF;
+        l_s[i] = 0.0f;
+    }
+    for (int i = tid; i < QV * hd; i += FUSED_THREADS) acc_s[i] = 0.0f;
+    fv2_sync();
+    for (int kt = kb; kt < ke; kt += FV2_ATT_KEYS) {
+        const int nk = min(FV2_ATT_KEYS, ke - kt);
+        if (!(kt == kb && first_cached_only)) fv2_load_keys(p, L, table_row, pos0, kt, nk, kvh, kv_s, nkv_s, rows, slot_s);
+        fused_cp_async_wait(0);
+        fv2_sync();
+        // Warp per query vector, lane per key: scores, online softmax, then lane per output dimension.
+        for (int qv = warp; qv < QV; qv += 8) {
+            const int rpos = pos0 + qv / G;
+            const bool valid = lane < nk && kt + lane <= rpos;
+            float sc = SPECULA_NEG_INF;
+            if (valid) {
+                const float* kr = kv_s + (size_t)lane * ks;
+                const float* qr = q_s + (size_t)qv * hd;
+                float d = 0.0f;
+                for (int c = 0; c < hd; c += 4) {
+                    const float4 a = *reinterpret_cast<const float4*>(qr + c);
+                    const float4 b = *reinterpret_cast<const float4*>(kr + c);
+                    d += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+                }
+                sc = d;
+            }
+            float mt = sc;
+            for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
+            const float m_old = m_s[qv];
+            const float m_new = fmaxf(m_old, mt);
+            if (m_new == SPECULA_NEG_INF) continue;  // no key of this tile is visible to the row (uniform)
+            const float e = valid ? expf(sc - m_new) : 0.0f;
+            float sum = e;
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            const float f = m_old == SPECULA_NEG_INF ? 0.0f : expf(m_old - m_new);
+            float a[8];
+            for (int i = 0; i < per; ++i) a[i] = acc_s[qv * hd + lane + 32 * i] * f;
+            const float* vs = kv_s + (size_t)FV2_ATT_KEYS * ks;
+            for (int j = 0; j < nk; ++j) {
+                const float pj = __shfl_sync(0xffffffffu, e, j);
+                for (int i = 0; i < per; ++i) a[i] += pj * vs[(size_t)j * ks + lane + 32 * i];
+            }
+            for (int i = 0; i < per; ++i) acc_s[qv * hd + lane + 32 * i] = a[i];
+            __syncwarp();
+            if (lane == 0) {
+                m_s[qv] = m_new;
+                l_s[qv] = l_s[qv] * f + sum;
+            }
+        }
+        fv2_sync();  // kv_s is reloaded by the next tile; acc/m/l complete
+    }
+    // Output: one split writes act16 directly; several write partials [row][head][split][hd + 2] and the
+    // last to arrive combines them in split order.
+    if (splits == 1) {
+        for (int i = tid; i < QV * hd; i += FUSED_THREADS) {
+            const int qv = i / hd, d = i % hd;
+            const int row = r0 + qv / G, head = kvh * G + qv % G;
+            p.act16[(size_t)row * p.n_heads * hd + (size_t)head * hd + d] = f32_to_bf16(acc_s[i] / l_s[qv]);
+        }
+        return;
+    }
+    const int pstride = hd + 2;
+    for (int i = tid; i < QV * pstride; i += FUSED_THREADS) {
+        const int qv = i / pstride, d = i % pstride;
+        const int row = r0 + qv / G, head = kvh * G + qv % G;
+        float* dst = p.attn_partials + (((size_t)row * p.n_heads + head) * FV2_MAX_SPLITS + split) * pstride;
+        dst[d] = d < hd ? acc_s[qv * hd + d] : (d == hd ? m_s[qv] : l_s[qv]);
+    }
+    __threadfence();
+    fv2_sync();
+    if (tid == 0) {
+        const unsigned int done = atomicAdd(p.attn_counters + (size_t)s * p.n_kv_heads + kvh, 1u);
+        last_s = done == (unsigned int)(splits - 1);
+    }
+    fv2_sync();
+    if (!last_s) return;
+    __threadfence();
+    for (int i = tid; i < QV * hd; i += FUSED_THREADS) {
+        const int qv = i / hd, d = i % hd;
+        const int row = r0 + qv / G, head = kvh * G + qv % G;
+        const float* all = p.attn_partials + ((size_t)row * p.n_heads + head) * FV2_MAX_SPLITS * pstride;
+        float m = SPECULA_NEG_INF;
+        for (int sp = 0; sp < splits; ++sp) m = fmaxf(m, __ldcg(all + sp * pstride + hd));
+        float l = 0.0f, o = 0.0f;
+        for (int sp = 0; sp < splits; ++sp) {
+            const float ms = __ldcg(all + sp * pstride + hd);
+            const float w = ms == SPECULA_NEG_INF ? 0.0f : expf(ms - m);
+            l += __ldcg(all + sp * pstride + hd + 1) * w;
+            o += __ldcg(all + sp * pstride + d) * w;
+        }
+        p.act16[(size_t)row * p.n_heads * hd + (size_t)head * hd + d] = f32_to_bf16(o / l);
+    }
+    if (tid == 0) p.attn_counters[(size_t)s * p.n_kv_heads + kvh] = 0u;
+}
+
+// The (sequence, KV head, split) of attention item `item` (items are enumerated sequence by sequence).
+__device__ __forceinline__ void fv2_attention_coords(const FusedParams& p, const Fv2Seqs& sq, int item, int* s, int* kvh,
+                                                     int* split) {
+    int acc = 0;
+    for (int i = 0; i < sq.n; ++i) {
+        const int cnt = p.n_kv_heads * sq.splits[i];
+        if (item < acc + cnt) {
+            *s = i;
+            *kvh = (item - acc) / sq.splits[i];
+            *split = (item - acc) % sq.splits[i];
+            return;
+        }
+        acc += cnt;
+    }
+    *s = 0;
+    *kvh = 0;
+    *split = 0;
+}
+
+template <int NT>
+__device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__ params, int rows, int n_logits,
+                                                 int flags, const FusedTaps& taps, int layout) {
+    extern __shared__ __align__(128) unsigned char fused_dyn[];
+    __shared__ FusedParams P;
+    __shared__ FusedLayer L;
+    __shared__ Fv2Seqs sq;
+    __shared__ __align__(8) unsigned long long ring_bars[FV2_MAX_SLOTS];
+    __shared__ __align__(8) unsigned long long ring_empty[FV2_MAX_SLOTS];
+    __shared__ unsigned long long epoch_s;
+    if (threadIdx.x < sizeof(FusedParams) / 8) {
+        ((unsigned long long*)&P)[threadIdx.x] = ((const unsigned long long*)params)[threadIdx.x];
+    }
+    if (threadIdx.x < FUSED_PROF_SLOTS) fused_prof[threadIdx.x] = 0;
+    if (threadIdx.x == 0) fused_prof_on = (flags & FUSED_PROFILE) != 0;
+    const long long t_kernel = clock64();
+    __syncthreads();  // all FV2_THREADS
+    const FusedParams& p = P;
+    unsigned long long* ctr = reinterpret_cast<unsigned long long*>(p.barrier);
+    const bool work = !(flags & FUSED_SKIP_WORK);
+    if (threadIdx.x == 0) {
+        unsigned long long old;
+        asm volatile("atom.add.relaxed.gpu.u64 %0, [%1], 1;" : "=l"(old) : "l"(ctr) : "memory");
+        epoch_s = old / gridDim.x;
+        // The step's sequences (rows <= FV2_MAX_ROWS).
+        sq.n = 0;
+        sq.items = 0;
+        for (int r = 0; r < rows; ++r) {
+            const bool cont = r > 0 && p.row_table[r] == p.row_table[r - 1] && p.positions[r] == p.positions[r - 1] + 1;
+            if (cont) {
+                ++sq.rows[sq.n - 1];
+            } else {
+                sq.first[sq.n] = r;
+                sq.rows[sq.n] = 1;
+                sq.pos0[sq.n] = p.positions[r];
+                ++sq.n;
+            }
+        }
+        for (int i = 0; i < sq.n; ++i) {
+            sq.splits[i] = fv2_splits(sq.pos0[i] + sq.rows[i]);
+            sq.items += p.n_kv_heads * sq.splits[i];
+        }
+    }
+    const int ring_offset = layout & 0xffffff, stages = layout >> 24;
+    Fv2Ring ring = {fused_dyn + ring_offset, ring_bars, ring_empty, stages, 0u};
+    Fv2Producer q;
+    q.phases = 4 * p.n_layers + (n_logits > 0 ? 1 : 0);
+    q.issued = 0;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < stages; ++i) {
+            fused_mbar_init(&ring_bars[i]);
+            fused_mbar_init(&ring_empty[i]);
+        }
+        fused_mbar_init_fence();
+    }
+    __syncthreads();  // all FV2_THREADS
+    if (threadIdx.x >= FUSED_THREADS) {
+        // The producer warp: walks the whole chunk sequence, refilling a slot once the consumers have
+        // released its previous chunk, then leaves (the consumers synchronise among themselves only).
+        if (work) {
+            fv2_producer_seek(p, q, 0);
+            while (q.phase < q.phases) {
+                if (q.issued >= (unsigned)stages) {
+                    const unsigned int use = q.issued / (unsigned)stages - 1u;
+                    fused_mbar_wait(&ring_empty[q.issued % (unsigned)stages], use & 1u);
+                }
+                fv2_producer_issue(p, q, ring);
+            }
+        }
+        return;
+    }
+    const unsigned long long target = (epoch_s + 1) * gridDim.x;
+    unsigned char* scratch = fused_dyn;
+    float* att = reinterpret_cast<float*>(fused_dyn);
+    const int h = p.hidden, qd = p.n_heads * p.head_dim;
+    const int width = (p.n_heads + 2 * p.n_kv_heads) * p.head_dim;
+    const FusedTaps* tp = taps.count > 0 ? &taps : 0;
+    // Counter of stage st of layer l.
+#define FV2_CTR(l, st) (ctr + (size_t)(1 + (l) * FV2_STAGES + (st)) * FV2_CTR_WORDS)
+    long long t;
+    for (int l = 0; l < p.n_layers; ++l) {
+        if (threadIdx.x < sizeof(FusedLayer) / 8) {
+            ((unsigned long long*)&L)[threadIdx.x] = ((const unsigned long long*)(p.layers + l))[threadIdx.x];
+        }
+        fv2_sync();
+        int t0, t1;
+        // Q: QKV tiles, attention norm while staging.
+        fused_tile_range(width, &t0, &t1);
+        if (t0 < t1) {
+            t = clock64();
+            if (l > 0) fv2_wait(FV2_CTR(l - 1, 4), target);
+            fused_prof_add(11, t);
+            t = clock64();
+            if (work) {
+                const Fv2Gemm g = {width, h, rows, l == 0 ? FV2_SRC_EMBED_NORM : FV2_SRC_NORM, 0, p.x, 0,
+                                   L.attn_norm, p.embed, p.tokens, FV2_OUT_PLAIN, p.qkv, 0, 0, 0};
+                fv2_gemm<NT>(p, q, ring, g, scratch, ring_offset, 0, -1, t0, t1, 0);
+            }
+            fused_prof_add(1, t);
+        }
+        fv2_arrive(FV2_CTR(l, 0));
+        // A: attention items, grid-strided from the last CTA down.
+        {
+            bool waited = false;
+            const int first = (int)gridDim.x - 1 - (int)blockIdx.x;
+            t = clock64();
+            for (int item = first; item < sq.items; item += gridDim.x) {
+                int s, kvh, split;
+                fv2_attention_coords(p, sq, item, &s, &kvh, &split);
+                if (work && !(flags & FUSED_SKIP_ATTENTION)) {
+                    fv2_attention_item(p, L, sq, s, kvh, split, att, false, FV2_CTR(l, 0), target, &waited);
+                } else if (!waited) {
+                    fv2_wait(FV2_CTR(l, 0), target);
+                    waited = true;
+                }
+                fv2_sync();  // the scratch is reused by the next item
+            }
+            fused_prof_add(3, t);
+        }
+        fv2_arrive(FV2_CTR(l, 1));
+        // O: O-projection tiles, x += (layer 0: x = embedding + ...).
+        fused_tile_range(h, &t0, &t1);
+        if (t0 < t1) {
+            t = clock64();
+            fv2_wait(FV2_CTR(l, 1), target);
+            fused_prof_add(14, t);
+            t = clock64();
+            if (work) {
+                const Fv2Gemm g = {h, qd, rows, FV2_SRC_BF16, p.act16, 0, 0, 0, 0, 0, FV2_OUT_ACC, p.x, 0, L.bo,
+                                   l == 0 ? p.embed : 0};
+                fv2_gemm<NT>(p, q, ring, g, scratch, ring_offset, 0, -1, t0, t1, 0);
+            }
+            fused_prof_add(4, t);
+        }
+        fv2_arrive(FV2_CTR(l, 2));
+        // G: gate/up tiles, FFN norm while staging, SwiGLU.
+        fused_tile_range(2 * p.ffn, &t0, &t1);
+        if (t0 < t1) {
+            t = clock64();
+            fv2_wait(FV2_CTR(l, 2), target);
+            fused_prof_add(16, t);
+            t = clock64();
+            if (work) {
+                const Fv2Gemm g = {2 * p.ffn, h, rows, FV2_SRC_NORM, 0, p.x, 0, L.ffn_norm, 0, 0, FV2_OUT_SWIGLU, 0,
+                                   p.ffn_act16, 0, 0};
+                fv2_gemm<NT>(p, q, ring, g, scratch, ring_offset, 0, -1, t0, t1, 0);
+            }
+            fused_prof_add(6, t);
+        }
+        fv2_arrive(FV2_CTR(l, 3));
+        // D: down tiles, x += (+ tapped-layer copies).
+        fused_tile_range(h, &t0, &t1);
+        if (t0 < t1) {
+            t = clock64();
+            fv2_wait(FV2_CTR(l, 3), target);
+            fused_prof_add(17, t);
+            t = clock64();
+            if (work) {
+                const Fv2Gemm g = {h, p.ffn, rows, FV2_SRC_BF16, p.ffn_act16, 0, 0, 0, 0, 0, FV2_OUT_ACC, p.x, 0, 0, 0};
+                fv2_gemm<NT>(p, q, ring, g, scratch, ring_offset, tp, l, t0, t1, 0);
+            }
+            fused_prof_add(7, t);
+        }
+        fv2_arrive(FV2_CTR(l, 4));
+    }
+    if (n_logits > 0) {
+        int t0, t1;
+        fused_tile_range(p.vocab, &t0, &t1);
+        if (t0 < t1) {
+            t = clock64();
+            fv2_wait(FV2_CTR(p.n_layers - 1, 4), target);
+            fused_prof_add(19, t);
+            t = clock64();
+            if (work) {
+                const Fv2Gemm g = {p.vocab, h, n_logits, FV2_SRC_NORM, 0, p.x, p.logit_rows, p.final_norm, 0, 0,
+                                   FV2_OUT_PLAIN, p.logits, 0, 0, 0};
+                fv2_gemm<NT>(p, q, ring, g, scratch, ring_offset, 0, -1, t0, t1, 0);
+            }
+            fused_prof_add(9, t);
+        }
+    }
+#undef FV2_CTR
+    fused_prof_add(23, t_kernel);
+    if (threadIdx.x == 0 && fused_prof_on && p.prof) {
+        for (int i = 0; i < FUSED_PROF_SLOTS; ++i) p.prof[(size_t)blockIdx.x * FUSED_PROF_SLOTS + i] = fused_prof[i];
+    }
+}
+
+// v2 entry points: rows <= 8 (one 8-row activation block) and rows <= 16 (two). Arguments as
+// fused_forward's, plus `layout`: the ring's byte offset in dynamic shared memory (bits 0-23; the
+// scratch before it holds the GEMM reduction and staged activations, or the attention buffers) and the
+// ring's slot count (bits 24-31), from the host's plan for this row count (gpu_fused.rs v2_plan).
+extern "C" __global__ void __launch_bounds__(FV2_THREADS, 1)
+fused_forward_v2_m8(const FusedParams* __restrict__ params, int rows, int n_logits, int flags, float* tap_buf,
+                    unsigned long long tap_layers, int tap_count, int tap_stride, int layout) {
+    const FusedTaps taps = {tap_buf, tap_layers, tap_count, tap_stride};
+    fv2_forward_body<1>(params, rows, n_logits, flags, taps, layout);
+}
+extern "C" __global__ void __launch_bounds__(FV2_THREADS, 1)
+fused_forward_v2_m16(const FusedParams* __restrict__ params, int rows, int n_logits, int flags, float* tap_buf,
+                     unsigned long long tap_layers, int tap_count, int tap_stride, int layout) {
+    const FusedTaps taps = {tap_buf, tap_layers, tap_count, tap_stride};
+    fv2_forward_body<2>(params, rows, n_logits, flags, taps, layout);
+}

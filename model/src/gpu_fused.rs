@@ -280,6 +280,14 @@ pub struct FusedOptions {
     /// Launch with `CU_LAUNCH_ATTRIBUTE_COOPERATIVE` (co-residency guaranteed by the driver). Without
     /// it the grid barrier relies on the occupancy check and on nothing else running on the GPU.
     pub cooperative: bool,
+    /// Steps of at most `dataflow_max_rows` rows run v2, the dataflow kernel (`fused_forward_v2_m8` /
+    /// `_m16`: per-stage counters instead of grid barriers, norms and RoPE folded into their
+    /// consumers, a dedicated producer warp; fused_step.cu "v2"); larger steps, and models v2 does not
+    /// take (head_dim % 64 != 0), run v1. On by default: measured faster than v1 at 1-8 rows except 8
+    /// requests x 1 token (2.5% slower), slower at 16 rows (NOTES v0.14).
+    pub dataflow: bool,
+    /// Most rows of a step v2 takes (at most `DATAFLOW_MAX_ROWS`; default 8, where it stops winning).
+    pub dataflow_max_rows: usize,
     pub mode: FusedMode,
 }
 
@@ -293,6 +301,8 @@ impl Default for FusedOptions {
             whole_tile_copies: true,
             ldgsts: false,
             cooperative: true,
+            dataflow: true,
+            dataflow_max_rows: 8,
             mode: FusedMode::Full,
         }
     }
@@ -315,6 +325,8 @@ pub struct FusedInfo {
     /// Weight-ring slots per CTA, and the weight columns of one slot's chunk (16 rows).
     pub ring_stages: u32,
     pub chunk_k: u32,
+    /// v2's dynamic shared memory per CTA when it is built (`FusedOptions::dataflow`), else 0.
+    pub dataflow_smem_bytes: u32,
 }
 
 /// The compiled kernel and its device-side parameters for one `GpuTransformer`.
@@ -330,12 +342,78 @@ struct FusedStep {
     _barrier: CudaSlice<u32>,
     /// `PROF_SLOTS` cycle counters per CTA, written by profiled launches.
     prof: CudaSlice<u64>,
+    /// v2, when `FusedOptions::dataflow` is set and the model suits it.
+    dataflow: Option<DataflowStep>,
     info: FusedInfo,
+}
+
+/// Most rows of a step the dataflow kernel (v2) takes: two 8-row activation blocks (fused_step.cu
+/// FV2_MAX_ROWS).
+pub const DATAFLOW_MAX_ROWS: usize = 16;
+/// fused_step.cu FV2_SLOT_BYTES, FV2_MAX_SLOTS, FV2_ATT_KEYS, FV2_MAX_SPLITS, FV2_STAGES, FV2_CTR_WORDS.
+const V2_SLOT_BYTES: usize = 16 * 2048 * 2;
+const V2_MAX_SLOTS: usize = 8;
+const V2_ATT_KEYS: usize = 32;
+const V2_MAX_SPLITS: usize = 32;
+const V2_STAGES: usize = 5;
+const V2_CTR_WORDS: usize = 16;
+
+/// v2's compiled entry points and its own buffers: stage counters, attention partials and combine
+/// counters (sized for its split scheme), and a `FusedParams` image pointing at them.
+struct DataflowStep {
+    m8: CudaFunction,
+    m16: CudaFunction,
+    params: CudaSlice<u64>,
+    _counters: CudaSlice<u64>,
+    _partials: CudaSlice<f32>,
+    _attn_counters: CudaSlice<u32>,
+    /// Dynamic shared memory of every v2 launch: the per-block maximum less the static part.
+    smem: usize,
+    grid: u32,
+    /// `FusedOptions::dataflow_max_rows`, clamped to DATAFLOW_MAX_ROWS.
+    max_rows: usize,
+    /// Threads per CTA: the entry points' `__launch_bounds__` (read back from the compiled kernel, so
+    /// a kernel version with a dedicated producer warp gets its extra warp without a host change).
+    threads: u32,
+}
+
+/// How v2 splits its dynamic shared memory for a step of `rows` rows: the scratch (GEMM reduction and
+/// staged activations, or the attention buffers; fused_step.cu fv2_red_bytes, fv2_attention_item) up
+/// to `ring_offset`, then `stages` ring slots of V2_SLOT_BYTES. The scratch gets what the slots leave,
+/// so more activation columns are staged at once where they fit. None: fewer than two slots fit.
+fn v2_plan(rows: usize, head_dim: usize, group: usize, smem: usize) -> Option<(usize, usize)> {
+    if rows == 0 || rows > DATAFLOW_MAX_ROWS {
+        return None;
+    }
+    let nt = rows.div_ceil(8);
+    let red = nt * 8 * 8 * 16 * 4;
+    let gemm = red + rows * (2 * 2048 + 64);
+    let qv = rows * group;
+    let attention = 4
+        * (2 * V2_ATT_KEYS * (head_dim + 4)
+            + 2 * qv * head_dim
+            + 2 * qv
+            + 2 * rows * head_dim
+            + V2_ATT_KEYS);
+    let scratch = gemm.max(attention).next_multiple_of(128);
+    let stages = (smem.checked_sub(scratch)? / V2_SLOT_BYTES).min(V2_MAX_SLOTS);
+    if stages < 2 {
+        return None;
+    }
+    let ring_offset = (smem - stages * V2_SLOT_BYTES) / 128 * 128;
+    Some((ring_offset, stages))
+}
+
+/// The packed `layout` argument of fused_forward_v2: ring offset in bits 0-23, slots in 24-31.
+fn v2_layout(plan: (usize, usize)) -> i32 {
+    (plan.0 as u32 | ((plan.1 as u32) << 24)) as i32
 }
 
 /// Per-CTA cycle counters of a profiled fused step (fused_step.cu FUSED_PROFILE).
 #[derive(Debug, Clone)]
 pub struct FusedProfile {
+    /// Whether v2 (the dataflow kernel) wrote it: its slots mean other things (`SLOTS_V2`).
+    pub dataflow: bool,
     pub per_cta: Vec<[u64; PROF_SLOTS]>,
     /// The SM clock the cycles count (the device's nominal rate, kHz).
     pub clock_khz: f64,
@@ -370,14 +448,48 @@ impl FusedProfile {
         "whole kernel",
     ];
 
+    /// v2's slots (fused_step.cu fv2_forward_body): work per stage, the counter wait before a CTA's
+    /// first item of a stage, and the same ring / epilogue / staging / kernel totals as v1.
+    pub const SLOTS_V2: [&'static str; 24] = [
+        "MMA loops (in Q O G D head)",
+        "Q QKV (attention norm in the staging)",
+        "",
+        "A attention (RoPE, KV append, combine)",
+        "O O proj",
+        "",
+        "G gate/up (FFN norm in the staging)",
+        "D down",
+        "",
+        "LM head (final norm in the staging)",
+        "",
+        "wait before Q (D of the layer before)",
+        "",
+        "wait before A's first item (Q)",
+        "wait before O (A)",
+        "",
+        "wait before G (O)",
+        "wait before D (G)",
+        "",
+        "wait before the LM head (last D)",
+        "ring chunk waits (in Q O G D head)",
+        "tile epilogues (in Q O G D head)",
+        "activation staging with norms (in Q O G D head)",
+        "whole kernel",
+    ];
+
     /// (name, mean over CTAs, max over CTAs) in microseconds, for each used slot.
     pub fn summary(&self) -> Vec<(&'static str, f64, f64)> {
         let n = self.per_cta.len().max(1) as f64;
         let us = |c: u64| c as f64 / self.clock_khz * 1e3;
-        Self::SLOTS
+        let names = if self.dataflow {
+            &Self::SLOTS_V2
+        } else {
+            &Self::SLOTS
+        };
+        names
             .iter()
             .enumerate()
-            .filter(|(i, _)| *i != 19)
+            .filter(|(i, name)| !name.is_empty() && (*i != 19 || self.dataflow))
             .map(|(i, &name)| {
                 let sum: u64 = self.per_cta.iter().map(|c| c[i]).sum();
                 let max = self.per_cta.iter().map(|c| c[i]).max().unwrap_or(0);
@@ -682,7 +794,7 @@ impl FusedStep {
         let layers = s.clone_htod(&words).map_err(gpu)?;
         let barrier = s.alloc_zeros::<u32>(64).map_err(gpu)?;
         let prof = s
-            .alloc_zeros::<u64>(grid as usize * PROF_SLOTS)
+            .alloc_zeros::<u64>(grid.max(num_sms) as usize * PROF_SLOTS)
             .map_err(gpu)?;
         let lay = t.layout;
         let inputs = addr(&t.buf.inputs, &s);
@@ -729,6 +841,18 @@ impl FusedStep {
         let words = p.words();
         debug_assert_eq!(words.len(), PARAMS_WORDS);
         let params = s.clone_htod(&words).map_err(gpu)?;
+        // v2 (the dataflow kernel): its pair RoPE in one lane needs head_dim % 64 == 0.
+        let dataflow = if opts.dataflow && c.head_dim.is_multiple_of(64) {
+            Some(DataflowStep::configure(
+                t,
+                opts,
+                &module,
+                &p,
+                smem_limit.min(per_sm - 1024),
+            )?)
+        } else {
+            None
+        };
         s.synchronize().map_err(gpu)?;
         Ok(FusedStep {
             module,
@@ -738,6 +862,7 @@ impl FusedStep {
             _barrier: barrier,
             prof,
             info: FusedInfo {
+                dataflow_smem_bytes: dataflow.as_ref().map_or(0, |d| d.smem as u32),
                 kernel,
                 grid,
                 threads: THREADS,
@@ -748,7 +873,107 @@ impl FusedStep {
                 ring_stages: stages,
                 chunk_k,
             },
+            dataflow,
         })
+    }
+}
+
+impl DataflowStep {
+    /// v2's entry points and buffers; `v1` is v1's parameter image (the same model buffers), `budget`
+    /// the shared memory a CTA may have.
+    fn configure(
+        t: &GpuTransformer,
+        opts: &FusedOptions,
+        module: &Arc<CudaModule>,
+        v1: &FusedParamsHost,
+        budget: usize,
+    ) -> Result<DataflowStep, ModelError> {
+        let c = &t.config;
+        let s = t.device.stream.clone();
+        let m8 = module.load_function("fused_forward_v2_m8").map_err(gpu)?;
+        let m16 = module.load_function("fused_forward_v2_m16").map_err(gpu)?;
+        let static_smem = m8
+            .shared_size_bytes()
+            .map_err(gpu)?
+            .max(m16.shared_size_bytes().map_err(gpu)?) as usize;
+        let smem = budget.saturating_sub(static_smem);
+        let group = c.num_heads / c.num_kv_heads.max(1);
+        if v2_plan(1, c.head_dim, group, smem).is_none() {
+            return Err(ModelError::Gpu(format!(
+                "fused step v2: {smem} bytes of shared memory per CTA do not hold the scratch of one row and two ring slots"
+            )));
+        }
+        for f in [&m8, &m16] {
+            f.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .map_err(gpu)?;
+        }
+        let num_sms = t.num_sms as u32;
+        let threads = m8.max_threads_per_block().map_err(gpu)?;
+        if threads != m16.max_threads_per_block().map_err(gpu)? || threads < THREADS as i32 {
+            return Err(ModelError::Gpu(format!(
+                "fused step v2: the entry points' thread counts differ or are below {THREADS}"
+            )));
+        }
+        let threads = threads as u32;
+        // One CTA per SM (or the requested grid); both entry points must fit at once.
+        let requested = Some(opts.grid.unwrap_or(num_sms));
+        let mut grid = u32::MAX;
+        for f in [&m8, &m16] {
+            grid = grid.min(
+                co_resident_grid(f, requested, num_sms, threads, smem).map_err(|e| {
+                    ModelError::Gpu(format!(
+                        "fused step v2: the grid does not fit on the device at once: {e}"
+                    ))
+                })?,
+            );
+        }
+        let counters = s
+            .alloc_zeros::<u64>((1 + c.num_layers * V2_STAGES) * V2_CTR_WORDS)
+            .map_err(gpu)?;
+        let partials = s
+            .alloc_zeros::<f32>(DATAFLOW_MAX_ROWS * c.num_heads * V2_MAX_SPLITS * (c.head_dim + 2))
+            .map_err(gpu)?;
+        let attn_counters = s
+            .alloc_zeros::<u32>(DATAFLOW_MAX_ROWS * c.num_kv_heads)
+            .map_err(gpu)?;
+        let p = FusedParamsHost {
+            attn_partials: addr(&partials, &s),
+            attn_counters: addr(&attn_counters, &s),
+            barrier: addr(&counters, &s),
+            // Unused by v2 (its layout is a launch argument, v2_plan).
+            ring_stages: 0,
+            ring_offset: 0,
+            xs_bytes: 0,
+            chunk_k: 2048,
+            ..v1.clone()
+        };
+        let params = s.clone_htod(&p.words()).map_err(gpu)?;
+        Ok(DataflowStep {
+            m8,
+            m16,
+            params,
+            _counters: counters,
+            _partials: partials,
+            _attn_counters: attn_counters,
+            smem,
+            grid,
+            max_rows: opts.dataflow_max_rows.min(DATAFLOW_MAX_ROWS),
+            threads,
+        })
+    }
+
+    /// The entry point, grid and packed layout for a step of `rows` rows, if v2 takes it.
+    fn launch_for(&self, rows: usize, c: &ModelConfig) -> Option<(&CudaFunction, i32)> {
+        if rows > self.max_rows {
+            return None;
+        }
+        let group = c.num_heads / c.num_kv_heads.max(1);
+        let plan = v2_plan(rows, c.head_dim, group, self.smem)?;
+        let f = if rows <= 8 { &self.m8 } else { &self.m16 };
+        Some((f, v2_layout(plan)))
     }
 }
 
@@ -802,6 +1027,17 @@ impl GpuTransformer {
         self.fused.step.as_ref().map(|s| s.info)
     }
 
+    /// Which fused kernel a step of `rows` rows launches: "v2" (the dataflow kernel, with
+    /// `FusedOptions::dataflow`) or "v1"; None before the backend is built.
+    pub fn fused_kernel_for(&self, rows: usize) -> Option<&'static str> {
+        let step = self.fused.step.as_ref()?;
+        let v2 = step
+            .dataflow
+            .as_ref()
+            .is_some_and(|d| d.launch_for(rows, &self.config).is_some());
+        Some(if v2 { "v2" } else { "v1" })
+    }
+
     /// Whether the most recent step ran the fused kernel.
     pub fn last_step_fused(&self) -> bool {
         self.fused.this_step
@@ -813,8 +1049,9 @@ impl GpuTransformer {
         self.fused.last_fallback
     }
 
-    /// The counters of the last `FusedMode::Profile` launch (synchronises the stream).
-    pub fn fused_profile(&self) -> Result<Option<FusedProfile>, ModelError> {
+    /// The counters of the last `FusedMode::Profile` launch, a step of `rows` rows (which says which
+    /// kernel wrote them; synchronises the stream).
+    pub fn fused_profile(&self, rows: usize) -> Result<Option<FusedProfile>, ModelError> {
         let Some(step) = self.fused.step.as_ref() else {
             return Ok(None);
         };
@@ -825,9 +1062,17 @@ impl GpuTransformer {
             .ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)
             .map_err(gpu)? as f64;
+        let dataflow = self.fused_kernel_for(rows) == Some("v2");
+        // The CTAs of the kernel that ran (the buffer is sized for v1's grid, at least v2's).
+        let ctas = match (&step.dataflow, dataflow) {
+            (Some(d), true) => d.grid,
+            _ => step.info.grid,
+        } as usize;
         Ok(Some(FusedProfile {
+            dataflow,
             per_cta: raw
                 .chunks(PROF_SLOTS)
+                .take(ctas)
                 .map(|c| c.try_into().expect("PROF_SLOTS per chunk"))
                 .collect(),
             clock_khz,
@@ -953,20 +1198,42 @@ impl GpuTransformer {
             KernelArg::i32(taps.len() as i32),
             KernelArg::i32(tap_stride as i32),
         ];
-        let cfg = LaunchConfig {
-            grid_dim: (step.info.grid, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: step.info.smem_bytes,
-        };
         let opts = LaunchOptions {
             pdl: false,
             cooperative: self.fused.opts.cooperative,
         };
-        // SAFETY: `params` holds the FusedParams image of this model's buffers (allocated at
-        // construction for max_rows rows and max_logit_rows logits rows; run() checked rows and
-        // n_logits against them); the arguments follow fused_forward's signature; the grid was checked
-        // against the occupancy at build time (co-resident, so the grid barrier cannot deadlock).
-        unsafe { launch_with(s, &step.func, cfg, &args, opts) }.map_err(gpu)?;
+        let v2 = step.dataflow.as_ref().and_then(|d| {
+            d.launch_for(rows, &self.config)
+                .map(|(f, layout)| (d, f, layout))
+        });
+        if let Some((d, func, layout)) = v2 {
+            let mut args = args.to_vec();
+            args[0] = KernelArg::buf(&d.params, s);
+            args.push(KernelArg::i32(layout));
+            let cfg = LaunchConfig {
+                grid_dim: (d.grid, 1, 1),
+                block_dim: (d.threads, 1, 1),
+                shared_mem_bytes: d.smem as u32,
+            };
+            // SAFETY: v2's `params` is the FusedParams image of this model's buffers with v2's own
+            // counters and attention partials (sized for DATAFLOW_MAX_ROWS rows, which launch_for
+            // checked); the arguments follow fused_forward_v2's signature, `layout` is v2_plan's for
+            // these rows within `smem`; the grid was checked to be co-resident (the stage counters'
+            // waits cannot deadlock).
+            unsafe { launch_with(s, func, cfg, &args, opts) }.map_err(gpu)?;
+        } else {
+            let cfg = LaunchConfig {
+                grid_dim: (step.info.grid, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: step.info.smem_bytes,
+            };
+            // SAFETY: `params` holds the FusedParams image of this model's buffers (allocated at
+            // construction for max_rows rows and max_logit_rows logits rows; run() checked rows and
+            // n_logits against them); the arguments follow fused_forward's signature; the grid was
+            // checked against the occupancy at build time (co-resident, so the grid barrier cannot
+            // deadlock).
+            unsafe { launch_with(s, &step.func, cfg, &args, opts) }.map_err(gpu)?;
+        }
         if n_logits > 0 {
             let args = [
                 KernelArg::buf(&self.buf.logits, s),
@@ -1187,6 +1454,50 @@ mod tests {
     }
 
     #[test]
+    fn dataflow_plans_leave_the_scratch_room_and_align_the_ring() {
+        // H200: 227 KB per block less ~1.5 KB of v2's static shared memory.
+        let smem = 232_448 - 1_536;
+        for (hd, group) in [(64, 4), (128, 4), (128, 6), (128, 8), (256, 8)] {
+            let mut last = usize::MAX;
+            for rows in 1..=DATAFLOW_MAX_ROWS {
+                let qv = rows * group;
+                let attention = 4 * (2 * 32 * (hd + 4) + 2 * qv * hd + 2 * qv + 2 * rows * hd + 32);
+                let Some((offset, stages)) = v2_plan(rows, hd, group, smem) else {
+                    // Only steps whose attention scratch leaves less than two 64 KB slots run v1
+                    // (wide head groups at several rows); llama3's shapes up to 8 rows never do.
+                    assert!(
+                        attention > smem - 2 * V2_SLOT_BYTES,
+                        "{hd} x {group}, {rows} rows"
+                    );
+                    assert!(hd * group > 512 || rows > 8, "{hd} x {group}, {rows} rows");
+                    continue;
+                };
+                assert!((2..=V2_MAX_SLOTS).contains(&stages));
+                assert_eq!(offset % 128, 0);
+                assert!(offset + stages * V2_SLOT_BYTES <= smem);
+                assert!(offset < 1 << 24 && stages < 256);
+                // The scratch holds the GEMM reduction plus one chunk of staged activations per row,
+                // and the attention buffers.
+                let red = rows.div_ceil(8) * 4096;
+                assert!(offset >= red + rows * (4096 + 64));
+                assert!(offset >= attention);
+                // More rows never get more slots.
+                assert!(stages <= last);
+                last = stages;
+            }
+        }
+        // llama3.2-1b at one row: three slots, and the down projection's whole K (8192) staged.
+        let (offset, stages) = v2_plan(1, 64, 4, smem).unwrap();
+        assert_eq!(stages, 3);
+        assert!(offset - 4096 >= 2 * 8192 + 64);
+        assert_eq!(v2_plan(0, 64, 4, smem), None);
+        assert_eq!(v2_plan(17, 64, 4, smem), None);
+        assert_eq!(v2_plan(1, 64, 4, 40_000), None);
+        let l = v2_layout((99_840, 4));
+        assert_eq!((l & 0xff_ffff, l >> 24), (99_840, 4));
+    }
+
+    #[test]
     fn profile_summary_is_mean_and_max_over_ctas_in_microseconds() {
         let mut a = [0u64; PROF_SLOTS];
         let mut b = [0u64; PROF_SLOTS];
@@ -1194,6 +1505,7 @@ mod tests {
         b[1] = 4_000;
         b[23] = 10_000;
         let p = FusedProfile {
+            dataflow: false,
             per_cta: vec![a, b],
             clock_khz: 1e6,
         };

@@ -78,7 +78,12 @@ pub const EXPORTED_KERNELS: &[(&str, &[&str])] = &[
 ];
 
 /// The kernels `fused_step.cu` must export (its program also holds every kernel of decoder.cu).
-pub const FUSED_KERNELS: &[&str] = &["fused_forward", "fused_forward_x2"];
+pub const FUSED_KERNELS: &[&str] = &[
+    "fused_forward",
+    "fused_forward_x2",
+    "fused_forward_v2_m8",
+    "fused_forward_v2_m16",
+];
 
 /// The kernels `decoder.cu` must export (checked at load so a rename fails at start, not mid-step).
 pub const DECODER_KERNELS: &[&str] = &[
