@@ -21,8 +21,9 @@
 # (`specula bench step --backends standard,latency_specialized`, llama3.2-1b), shapes (the same for
 # qwen2.5-coder-1.5b and llama3.1-8b), e2e (`specula bench e2e`, 1 request, synthetic 3.78, k=7),
 # ab (candidate kernels: every NAME.cu under $AB_DIR, default .carry/pack/candidates, loaded through
-# SPECULA_FUSED_STEP_CU: `gpu_fused_check --bench --short` for the shipped kernel and every candidate,
-# then `gpu_fused_check --quick` for every candidate; logs in $OUT/ab/, a summary table in
+# SPECULA_FUSED_STEP_CU: `gpu_fused_check --bench --short --v2-profile` for the shipped kernel and every
+# candidate, then `gpu_fused_check --quick` for every candidate (AB_CHECK=0: benches only; the bench
+# itself compares each kernel's logits with the standard step's at every shape); logs in $OUT/ab/, a summary table in
 # $OUT/ab/summary.txt). Make the candidates here, where `patch` is known to exist:
 #   mkdir -p .carry/pack/candidates; for p in experiments/fused/candidates/*.patch; do
 #     c=.carry/pack/candidates/$(basename "$p" .patch).cu; cp kernels/cuda/fused_step.cu "$c"; patch -s "$c" < "$p"; done
@@ -63,16 +64,18 @@ if has bench; then
 fi
 if has ab; then
   mkdir -p "$out/ab"
-  { header; timeout 200 "$bin/gpu_fused_check" --bench --short; echo "exit $?"; } > "$out/ab/bench_shipped.txt" 2>&1
+  { header; timeout 200 "$bin/gpu_fused_check" --bench --short --v2-profile; echo "exit $?"; } > "$out/ab/bench_shipped.txt" 2>&1
   ab_dir=${AB_DIR:-.carry/pack/candidates}
   ls "$ab_dir"/*.cu > /dev/null 2>&1 || { echo "ab: no candidate .cu files under $ab_dir" | tee "$out/ab/summary.txt"; status=1; }
   for src in "$ab_dir"/*.cu; do
     [ -f "$src" ] || continue
     src=$(cd "$(dirname "$src")" && pwd)/$(basename "$src")
     name=$(basename "$src" .cu)
-    { header; SPECULA_FUSED_STEP_CU=$src timeout 200 "$bin/gpu_fused_check" --bench --short; echo "exit $?"; } > "$out/ab/bench_$name.txt" 2>&1
-    { header; SPECULA_FUSED_STEP_CU=$src timeout 300 "$bin/gpu_fused_check" --quick; echo "exit $?"; } > "$out/ab/check_$name.txt" 2>&1
-    grep -q "^exit 0$" "$out/ab/check_$name.txt" || status=1
+    { header; SPECULA_FUSED_STEP_CU=$src timeout 200 "$bin/gpu_fused_check" --bench --short --v2-profile; echo "exit $?"; } > "$out/ab/bench_$name.txt" 2>&1
+    if [[ ${AB_CHECK:-1} == 1 ]]; then
+      { header; SPECULA_FUSED_STEP_CU=$src timeout 300 "$bin/gpu_fused_check" --quick; echo "exit $?"; } > "$out/ab/check_$name.txt" 2>&1
+      grep -q "^exit 0$" "$out/ab/check_$name.txt" || status=1
+    fi
   done
   # Fused median ms per shape, one column per kernel; and each candidate's parity verdict.
   python3 - "$out/ab" > "$out/ab/summary.txt" <<'PY'
@@ -83,14 +86,15 @@ for f in sorted(glob.glob(os.path.join(d, "bench_*.txt")), key=lambda f: (not f.
     name = os.path.basename(f)[6:-4]
     cols.append(name)
     for line in open(f):
-        m = re.match(r"^\| (\d+) \| (\d+) \| ([\d.]+) \([\d.]+\) \| ([\d.]+) \(", line)
+        # | b | t | standard | fused (v1) | fused v2 | ...: medians of the first three variants.
+        m = re.match(r"^\| (\d+) \| (\d+) \| ([\d.]+) \([\d.]+\) \| ([\d.]+) \([\d.]+\) \| ([\d.]+) \(", line)
         if m:
             table.setdefault((int(m[1]), int(m[2])), {})["standard"] = m[3]
-            table[(int(m[1]), int(m[2]))][name] = m[4]
-print("| requests x tokens | standard | " + " | ".join(cols) + " |")
-print("|---|---:|" + "---:|" * len(cols))
+            table[(int(m[1]), int(m[2]))][name] = (m[4], m[5])
+print("| requests x tokens | standard | " + " | ".join(f"{c} v1 | {c} v2" for c in cols) + " |")
+print("|---|---:|" + "---:|---:|" * len(cols))
 for (b, t), row in sorted(table.items()):
-    print(f"| {b} x {t} | {row.get('standard', '-')} | " + " | ".join(row.get(c, "-") for c in cols) + " |")
+    print(f"| {b} x {t} | {row.get('standard', '-')} | " + " | ".join(" | ".join(row.get(c, ("-", "-"))) for c in cols) + " |")
 for f in sorted(glob.glob(os.path.join(d, "check_*.txt"))):
     tail = [l.strip() for l in open(f) if "worst relative error" in l or l.startswith("exit")]
     print(os.path.basename(f)[6:-4] + ": " + "; ".join(tail))

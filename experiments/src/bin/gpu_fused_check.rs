@@ -37,9 +37,10 @@
 //!
 //! cargo build --release -p specula-experiments --features cuda --bin gpu_fused_check
 //! Usage: gpu_fused_check [--quick] [--no-cooperative]
-//!        gpu_fused_check --bench [--context N] [--samples N] [--no-tune] [--seed N] [--no-cooperative] [--short]
-//! (`--short`: only the standard and the default fused step, no profile; with SPECULA_FUSED_STEP_CU set
-//! to another fused_step.cu, an A/B of kernel versions in one device call, NOTES v0.12.)
+//!        gpu_fused_check --bench [--context N] [--samples N] [--no-tune] [--seed N] [--no-cooperative] [--short [--v2-profile]]
+//! (`--short`: only the standard, the default fused (v1) and the v2 step, no profile (`--v2-profile`: v2's
+//! profile at 1 x 1 and 1 x 8 all the same); with SPECULA_FUSED_STEP_CU set to another fused_step.cu, an
+//! A/B of kernel versions in one device call, NOTES v0.12.)
 
 #[path = "../../../verifier/tests/common/mod.rs"]
 mod common;
@@ -51,7 +52,7 @@ use specula_experiments::max_relative_error as max_rel;
 use specula_experiments::step_bench::{copy_bandwidth, percentile};
 use specula_experiments::tiny_check_config;
 use specula_kernels::sampling::{self, argmax, SamplingParams};
-use specula_model::gpu::fused::{FusedMode, FusedOptions, StepBackend};
+use specula_model::gpu::fused::{FusedMode, FusedOptions, StepBackend, DATAFLOW_MAX_ROWS};
 use specula_model::gpu::{AttentionKernel, GpuOptions, GpuSeqInput, GpuTransformer, StepAblation};
 use specula_model::loader::load;
 use specula_model::random::{preset, random_transformer};
@@ -499,29 +500,56 @@ fn check_variants(
     gpu.set_step_backend(StepBackend::Standard)?;
     let mut variants = vec![
         (
-            "fused default / standard Auto attention",
+            "fused default (v2 for <= 8 rows, v1 above) / standard Auto attention",
             FusedOptions::default(),
             AttentionKernel::Auto,
         ),
         (
-            "fused 5 CTAs, 2 ring slots of 256 columns by cp.async / standard Split attention",
+            "fused v1 only / standard Auto attention",
+            FusedOptions {
+                dataflow: false,
+                ..Default::default()
+            },
+            AttentionKernel::Auto,
+        ),
+        (
+            "fused v1, 5 CTAs, 2 ring slots of 256 columns by cp.async / standard Split attention",
             FusedOptions {
                 grid: Some(5),
                 ring_stages: 2,
                 chunk_k: 256,
                 ldgsts: true,
+                dataflow: false,
                 ..Default::default()
             },
             AttentionKernel::Split,
         ),
         (
-            "fused 2 CTAs per SM, row copies / standard WholeRow attention (both)",
+            "fused v1, 2 CTAs per SM, row copies / standard WholeRow attention (both)",
             FusedOptions {
                 ctas_per_sm: 2,
                 whole_tile_copies: false,
+                dataflow: false,
                 ..Default::default()
             },
             AttentionKernel::WholeRow,
+        ),
+        (
+            "fused v2 (dataflow) for <= 16 rows / standard Auto attention",
+            FusedOptions {
+                dataflow_max_rows: DATAFLOW_MAX_ROWS,
+                ..Default::default()
+            },
+            AttentionKernel::Auto,
+        ),
+        (
+            "fused v2 (dataflow) for <= 16 rows, 5 CTAs / standard Split attention",
+            FusedOptions {
+                dataflow_max_rows: DATAFLOW_MAX_ROWS,
+                grid: Some(5),
+                ..Default::default()
+            },
+            AttentionKernel::Split,
         ),
     ];
     if non_cooperative {
@@ -548,8 +576,14 @@ fn check_variants(
         });
         if let Some(i) = gpu.fused_info() {
             println!(
-                "  ({}, grid {}, {} B shared)",
-                i.kernel, i.grid, i.smem_bytes
+                "  ({}, grid {}, {} B shared; 1 row runs {}, 16 rows {}, 17 rows {}; v2 shared {} B)",
+                i.kernel,
+                i.grid,
+                i.smem_bytes,
+                gpu.fused_kernel_for(1).unwrap_or("-"),
+                gpu.fused_kernel_for(16).unwrap_or("-"),
+                gpu.fused_kernel_for(17).unwrap_or("-"),
+                i.dataflow_smem_bytes
             );
         }
         check_model(tally, cpu, gpu, quick)?;
@@ -772,6 +806,8 @@ struct BenchArgs {
     /// Only the standard and the default fused step, no profile: A/B runs of kernel versions
     /// through SPECULA_FUSED_STEP_CU, one bench per version in one device call.
     short: bool,
+    /// With `short`: v2's in-kernel profile at 1 x 1 and 1 x 8 all the same.
+    v2_profile: bool,
 }
 
 struct Variant {
@@ -812,8 +848,11 @@ fn bench(args: BenchArgs) -> Result<()> {
         bw,
         floor_ms
     );
+    // v1 (the grid-barrier kernel) for every shape; the v2 variants run v2 wherever it fits (<= 16
+    // rows). The engine's default mixes them (v2 for <= 8 rows).
     let fused = FusedOptions {
         cooperative: args.cooperative,
+        dataflow: false,
         ..Default::default()
     };
     let all_variants = [
@@ -823,9 +862,38 @@ fn bench(args: BenchArgs) -> Result<()> {
             opts: fused,
         },
         Variant {
-            name: "fused",
+            name: "fused v1",
             backend: StepBackend::LatencySpecialized,
             opts: fused,
+        },
+        Variant {
+            name: "fused v2 (dataflow)",
+            backend: StepBackend::LatencySpecialized,
+            opts: FusedOptions {
+                dataflow: true,
+                dataflow_max_rows: DATAFLOW_MAX_ROWS,
+                ..fused
+            },
+        },
+        Variant {
+            name: "fused v2, counters only",
+            backend: StepBackend::LatencySpecialized,
+            opts: FusedOptions {
+                dataflow: true,
+                dataflow_max_rows: DATAFLOW_MAX_ROWS,
+                mode: FusedMode::BarriersOnly,
+                ..fused
+            },
+        },
+        Variant {
+            name: "fused v2, no attention",
+            backend: StepBackend::LatencySpecialized,
+            opts: FusedOptions {
+                dataflow: true,
+                dataflow_max_rows: DATAFLOW_MAX_ROWS,
+                mode: FusedMode::SkipAttention,
+                ..fused
+            },
         },
         Variant {
             name: "fused, 1024-column chunks",
@@ -870,7 +938,9 @@ fn bench(args: BenchArgs) -> Result<()> {
     ];
     let variants: Vec<&Variant> = all_variants
         .iter()
-        .filter(|v| !args.short || ["standard", "fused"].contains(&v.name))
+        .filter(|v| {
+            !args.short || ["standard", "fused v1", "fused v2 (dataflow)"].contains(&v.name)
+        })
         .collect();
     if let Ok(path) = std::env::var(specula_kernels::cuda::FUSED_SOURCE_ENV) {
         println!(
@@ -912,6 +982,8 @@ fn bench(args: BenchArgs) -> Result<()> {
                 .collect();
             let mut times = Vec::new();
             let mut logits: Vec<Vec<f32>> = Vec::new();
+            // The kernel the dataflow variants ran for this shape (v1 above 16 rows).
+            let mut v2_kernel = "-";
             for v in &variants {
                 gpu.set_step_backend(v.backend)?;
                 if v.backend == StepBackend::LatencySpecialized {
@@ -920,6 +992,9 @@ fn bench(args: BenchArgs) -> Result<()> {
                 // The step itself (captures the graph), then back-to-back replays of it.
                 let out = gpu.forward(&inputs)?.logits;
                 let fused_ran = gpu.last_step_fused();
+                if v.opts.dataflow && v.backend == StepBackend::LatencySpecialized {
+                    v2_kernel = gpu.fused_kernel_for(b * t).unwrap_or("-");
+                }
                 if fused_ran != (v.backend == StepBackend::LatencySpecialized) {
                     bail!("{}: the fused kernel ran: {fused_ran}", v.name);
                 }
@@ -934,23 +1009,44 @@ fn bench(args: BenchArgs) -> Result<()> {
                 }
             }
             let diff = max_rel(&logits[1], &logits[0]);
+            let diff_v2 = max_rel(&logits[2], &logits[0]);
             println!(
-                "{b} x {t}: standard {:.3} ms, fused {:.3} ms ({:.2}x), fused vs standard logits {diff:.2e}",
+                "{b} x {t}: standard {:.3} ms, fused {:.3} ms ({:.2}x), fused v2 {:.3} ms ({:.2}x, ran {v2_kernel}), logits vs standard: fused {diff:.2e}, v2 {diff_v2:.2e}",
                 times[0].0,
                 times[1].0,
-                times[0].0 / times[1].0
+                times[0].0 / times[1].0,
+                times[2].0,
+                times[0].0 / times[2].0
             );
             table.push((b, t, times, diff));
             // Where the fused step's time goes: one profiled step (per-CTA cycle counters).
-            if !args.short && [(1, 1), (1, 8), (8, 8)].contains(&(b, t)) {
+            // v1 at (1, 1), (1, 8), (8, 8); v2 where it runs (<= 16 rows).
+            for dataflow in [false, true] {
+                let shapes: &[(usize, usize)] = if dataflow {
+                    &[(1, 1), (1, 8), (2, 8)]
+                } else {
+                    &[(1, 1), (1, 8), (8, 8)]
+                };
+                let profiled = if args.short {
+                    dataflow && args.v2_profile && b == 1
+                } else {
+                    shapes.contains(&(b, t))
+                };
+                if !profiled {
+                    continue;
+                }
                 gpu.set_step_backend(StepBackend::LatencySpecialized)?;
                 gpu.set_fused_options(FusedOptions {
                     mode: FusedMode::Profile,
+                    dataflow,
+                    dataflow_max_rows: DATAFLOW_MAX_ROWS,
                     ..fused
                 })?;
                 gpu.forward(&inputs)?;
-                if let Some(prof) = gpu.fused_profile()? {
-                    profiles.push((b, t, prof.summary()));
+                if let Some(prof) = gpu.fused_profile(b * t)? {
+                    if prof.dataflow == dataflow {
+                        profiles.push((prof.dataflow, b, t, prof.summary()));
+                    }
                 }
                 for &s in &seqs {
                     gpu.truncate(s, args.context)?;
@@ -990,23 +1086,28 @@ fn bench(args: BenchArgs) -> Result<()> {
         "targets (issue 6): fused >= 1.8x the standard step at 1-8 requests; <= 0.80 ms at 1 request. Weight floor {floor_ms:.3} ms. Fused barrier cost ~ the 'barriers only' column ({} barriers per step).",
         8 * config.num_layers + 1
     );
-    if !profiles.is_empty() {
+    for dataflow in [false, true] {
+        let group: Vec<_> = profiles.iter().filter(|p| p.0 == dataflow).collect();
+        if group.is_empty() {
+            continue;
+        }
         println!(
-            "\nfused step profile (one profiled step, not a graph replay; per-CTA clock64 cycles at the nominal SM clock, summed over layers; mean / max over CTAs, us):"
+            "\nfused step profile, {} (one profiled step, not a graph replay; per-CTA clock64 cycles at the nominal SM clock, summed over layers; mean / max over CTAs, us):",
+            if dataflow { "v2 (dataflow)" } else { "v1" }
         );
         print!("| category |");
-        for (b, t, _) in &profiles {
+        for (_, b, t, _) in &group {
             print!(" {b} x {t} mean | max |");
         }
         println!();
         print!("|---|");
-        for _ in &profiles {
+        for _ in &group {
             print!("---:|---:|");
         }
         println!();
-        for (i, (name, _, _)) in profiles[0].2.iter().enumerate() {
+        for (i, (name, _, _)) in group[0].3.iter().enumerate() {
             print!("| {name} |");
-            for (_, _, rows) in &profiles {
+            for (_, _, _, rows) in &group {
                 print!(" {:.1} | {:.1} |", rows[i].1, rows[i].2);
             }
             println!();
@@ -1038,6 +1139,7 @@ fn main() -> Result<()> {
             seed: value("--seed")?.unwrap_or(7),
             cooperative,
             short: args.iter().any(|a| a == "--short"),
+            v2_profile: args.iter().any(|a| a == "--v2-profile"),
         });
     }
     check(args.iter().any(|a| a == "--quick"), cooperative)
