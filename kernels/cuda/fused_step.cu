@@ -1319,8 +1319,8 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Producer& q, Fv2R
 }
 
 // Attention scratch (floats, from the start of the scratch region) for a sequence of `rows` rows:
-// K and V tiles [2][FV2_ATT_KEYS][hd + 4] | q [rows G][hd] | acc [rows G][hd] | m, l [rows G] |
-// new k, v [2][rows][hd] | cache slots [FV2_ATT_KEYS] (ints). Host: gpu_fused.rs v2_attention_bytes.
+// K and V tiles [2][FV2_ATT_KEYS][hd + 4] | q [rows G][hd] | acc [rows G][hd] | m, l [rows G] (padded to
+// 4 floats: G may be odd) | new k, v [2][rows][hd] | cache slots [FV2_ATT_KEYS] (ints). Host: gpu_fused.rs v2_plan.
 __device__ __forceinline__ int fv2_kv_stride(int hd) { return hd + 4; }
 
 // The item's tile of keys [kt, kt + nk) into kv_s: cached keys (position < pos0) by cp.async from the
@@ -1353,7 +1353,8 @@ __device__ void fv2_load_keys(const FusedParams& p, const FusedLayer& L, int tab
 
 // One lane's share of a head vector (hd / 32 elements: lane + 32 i) after bias, head norm and RoPE.
 // `y` = head index in the qkv row (q heads, k heads, v heads); RoPE for q and k heads, the norm for q/k
-// heads when the model has it. Pairs (d, d + hd/2) sit in one lane since hd % 64 == 0.
+// heads when the model has it. hd % 64 == 0: the RoPE pairs (d, d + hd/2) sit in one lane; hd == 32: in
+// lanes d and d + 16, exchanged by a shuffle (the host builds v2 for hd in {32, 64, 128, 192, 256}).
 __device__ __forceinline__ void fv2_head(const FusedParams& p, const FusedLayer& L, int row, int y, int pos,
                                          float* v) {
     const int hd = p.head_dim, per = hd / 32, lane = threadIdx.x & 31;
@@ -1372,6 +1373,18 @@ __device__ __forceinline__ void fv2_head(const FusedParams& p, const FusedLayer&
         const float inv = 1.0f / sqrtf(ss / (float)hd + p.eps);
         const float* w = y < p.n_heads ? L.q_norm : L.k_norm;
         for (int i = 0; i < per; ++i) v[i] = w[lane + 32 * i] * (v[i] * inv);
+    }
+    if (per == 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, v[0], 16);
+        float ra, rb;
+        if (lane < 16) {
+            rope_rotate(&v[0], &other, pos, p.inv_freq[lane], &ra, &rb);
+            v[0] = ra;
+        } else {
+            rope_rotate(&other, &v[0], pos, p.inv_freq[lane - 16], &ra, &rb);
+            v[0] = rb;
+        }
+        return;
     }
     const int half = per / 2;
     for (int i = 0; i < half; ++i) {
@@ -1402,7 +1415,7 @@ __device__ __noinline__ void fv2_attention_item(const FusedParams& p, const Fuse
     float* acc_s = q_s + QV * hd;
     float* m_s = acc_s + QV * hd;
     float* l_s = m_s + QV;
-    float* nkv_s = l_s + QV;
+    float* nkv_s = m_s + ((2 * QV + 3) & ~3);  // 16-byte aligned (float4 loads) for odd QV
     int* slot_s = reinterpret_cast<int*>(nkv_s + 2 * rows * hd);
     const int kv_dim = p.n_kv_heads * hd;
     // The first tile's cached keys before the wait (they do not depend on this step).

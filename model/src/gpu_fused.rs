@@ -283,7 +283,7 @@ pub struct FusedOptions {
     /// Steps of at most `dataflow_max_rows` rows run v2, the dataflow kernel (`fused_forward_v2_m8` /
     /// `_m16`: per-stage counters instead of grid barriers, norms and RoPE folded into their
     /// consumers, a dedicated producer warp; fused_step.cu "v2"); larger steps, and models v2 does not
-    /// take (head_dim % 64 != 0), run v1. On by default: measured faster than v1 at 1-8 rows except 8
+    /// take (head_dim other than 32 or a multiple of 64 up to 256), run v1. On by default: measured faster than v1 at 1-8 rows except 8
     /// requests x 1 token (2.5% slower), slower at 16 rows (NOTES v0.14).
     pub dataflow: bool,
     /// Most rows of a step v2 takes (at most `DATAFLOW_MAX_ROWS`; default 8, where it stops winning).
@@ -392,7 +392,7 @@ fn v2_plan(rows: usize, head_dim: usize, group: usize, smem: usize) -> Option<(u
     let attention = 4
         * (2 * V2_ATT_KEYS * (head_dim + 4)
             + 2 * qv * head_dim
-            + 2 * qv
+            + (2 * qv).next_multiple_of(4)
             + 2 * rows * head_dim
             + V2_ATT_KEYS);
     let scratch = gemm.max(attention).next_multiple_of(128);
@@ -841,8 +841,10 @@ impl FusedStep {
         let words = p.words();
         debug_assert_eq!(words.len(), PARAMS_WORDS);
         let params = s.clone_htod(&words).map_err(gpu)?;
-        // v2 (the dataflow kernel): its pair RoPE in one lane needs head_dim % 64 == 0.
-        let dataflow = if opts.dataflow && c.head_dim.is_multiple_of(64) {
+        // v2 (the dataflow kernel): a head vector is hd / 32 values per lane (at most 8), its RoPE
+        // pairs in one lane (hd % 64 == 0) or in lanes d and d + 16 (hd == 32).
+        let v2_head_dim = c.head_dim == 32 || (c.head_dim.is_multiple_of(64) && c.head_dim <= 256);
+        let dataflow = if opts.dataflow && v2_head_dim {
             Some(DataflowStep::configure(
                 t,
                 opts,
@@ -1457,11 +1459,16 @@ mod tests {
     fn dataflow_plans_leave_the_scratch_room_and_align_the_ring() {
         // H200: 227 KB per block less ~1.5 KB of v2's static shared memory.
         let smem = 232_448 - 1_536;
-        for (hd, group) in [(64, 4), (128, 4), (128, 6), (128, 8), (256, 8)] {
+        for (hd, group) in [(32, 3), (32, 4), (64, 4), (128, 4), (128, 6), (128, 7), (128, 8), (256, 8)] {
             let mut last = usize::MAX;
             for rows in 1..=DATAFLOW_MAX_ROWS {
                 let qv = rows * group;
-                let attention = 4 * (2 * 32 * (hd + 4) + 2 * qv * hd + 2 * qv + 2 * rows * hd + 32);
+                let attention = 4
+                    * (2 * 32 * (hd + 4)
+                        + 2 * qv * hd
+                        + (2 * qv).next_multiple_of(4)
+                        + 2 * rows * hd
+                        + 32);
                 let Some((offset, stages)) = v2_plan(rows, hd, group, smem) else {
                     // Only steps whose attention scratch leaves less than two 64 KB slots run v1
                     // (wide head groups at several rows); llama3's shapes up to 8 rows never do.
