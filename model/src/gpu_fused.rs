@@ -283,8 +283,9 @@ pub struct FusedOptions {
     /// Steps of at most `dataflow_max_rows` rows run v2, the dataflow kernel (`fused_forward_v2_m8` /
     /// `_m16`: per-stage counters instead of grid barriers, norms and RoPE folded into their
     /// consumers, a dedicated producer warp; fused_step.cu "v2"); larger steps, and models v2 does not
-    /// take (head_dim other than 32 or a multiple of 64 up to 256), run v1. On by default: measured faster than v1 at 1-8 rows except 8
-    /// requests x 1 token (2.5% slower), slower at 16 rows (NOTES v0.14).
+    /// take (head_dim other than 32 or a multiple of 64 up to 256), run v1. On by default: on
+    /// llama3.2-1b measured faster than v1 at 1-8 rows except 8 requests x 1 token (2.5% slower),
+    /// slower at 16 rows; on qwen2.5-coder-1.5b slower than v1 at 1 request x 8 tokens (NOTES v0.14).
     pub dataflow: bool,
     /// Most rows of a step v2 takes (at most `DATAFLOW_MAX_ROWS`; default 8, where it stops winning).
     pub dataflow_max_rows: usize,
@@ -1459,7 +1460,16 @@ mod tests {
     fn dataflow_plans_leave_the_scratch_room_and_align_the_ring() {
         // H200: 227 KB per block less ~1.5 KB of v2's static shared memory.
         let smem = 232_448 - 1_536;
-        for (hd, group) in [(32, 3), (32, 4), (64, 4), (128, 4), (128, 6), (128, 7), (128, 8), (256, 8)] {
+        for (hd, group) in [
+            (32, 3),
+            (32, 4),
+            (64, 4),
+            (128, 4),
+            (128, 6),
+            (128, 7),
+            (128, 8),
+            (256, 8),
+        ] {
             let mut last = usize::MAX;
             for rows in 1..=DATAFLOW_MAX_ROWS {
                 let qv = rows * group;
