@@ -280,7 +280,7 @@ pub struct FusedOptions {
     /// Launch with `CU_LAUNCH_ATTRIBUTE_COOPERATIVE` (co-residency guaranteed by the driver). Without
     /// it the grid barrier relies on the occupancy check and on nothing else running on the GPU.
     pub cooperative: bool,
-    /// Steps of at most `dataflow_max_rows` rows run v2, the dataflow kernel (`fused_forward_v2_m8` /
+    /// Steps of at most `dataflow_max_rows` rows (and `dataflow_max_queries`) run v2, the dataflow kernel (`fused_forward_v2_m8` /
     /// `_m16`: per-stage counters instead of grid barriers, norms and RoPE folded into their
     /// consumers, a dedicated producer warp; fused_step.cu "v2"); larger steps, and models v2 does not
     /// take (head_dim other than 32 or a multiple of 64 up to 256), run v1. On by default: on
@@ -289,6 +289,10 @@ pub struct FusedOptions {
     pub dataflow: bool,
     /// Most rows of a step v2 takes (at most `DATAFLOW_MAX_ROWS`; default 8, where it stops winning).
     pub dataflow_max_rows: usize,
+    /// Most query vectors one of v2's attention items holds, a sequence's rows x query heads per KV
+    /// head; steps with a longer sequence run v1. Default 32: llama3.2-1b at 1 request x 8 tokens (32)
+    /// measured faster on v2, qwen2.5-coder-1.5b at 1 x 8 (48) slower (NOTES v0.14).
+    pub dataflow_max_queries: usize,
     pub mode: FusedMode,
 }
 
@@ -304,6 +308,7 @@ impl Default for FusedOptions {
             cooperative: true,
             dataflow: true,
             dataflow_max_rows: 8,
+            dataflow_max_queries: 32,
             mode: FusedMode::Full,
         }
     }
@@ -373,6 +378,8 @@ struct DataflowStep {
     grid: u32,
     /// `FusedOptions::dataflow_max_rows`, clamped to DATAFLOW_MAX_ROWS.
     max_rows: usize,
+    /// `FusedOptions::dataflow_max_queries`.
+    max_queries: usize,
     /// Threads per CTA: the entry points' `__launch_bounds__` (read back from the compiled kernel, so
     /// a kernel version with a dedicated producer warp gets its extra warp without a host change).
     threads: u32,
@@ -403,6 +410,19 @@ fn v2_plan(rows: usize, head_dim: usize, group: usize, smem: usize) -> Option<(u
     }
     let ring_offset = (smem - stages * V2_SLOT_BYTES) / 128 * 128;
     Some((ring_offset, stages))
+}
+
+/// Whether a step of `rows` rows whose longest sequence has `seq_rows` rows, on a model with `group`
+/// query heads per KV head, runs v2 under the limits `FusedOptions::dataflow_max_rows` and
+/// `dataflow_max_queries` (v2_plan must also find room for it).
+fn v2_takes(
+    rows: usize,
+    seq_rows: usize,
+    group: usize,
+    max_rows: usize,
+    max_queries: usize,
+) -> bool {
+    rows <= max_rows && seq_rows.saturating_mul(group) <= max_queries
 }
 
 /// The packed `layout` argument of fused_forward_v2: ring offset in bits 0-23, slots in 24-31.
@@ -513,6 +533,8 @@ pub struct FusedState {
     /// Why the most recent step ran standard with the fused backend selected (None: it ran fused,
     /// or the standard backend is selected).
     last_fallback: Option<&'static str>,
+    /// The most rows of one sequence in the step being launched (v1 or v2 depends on it).
+    step_seq_rows: usize,
 }
 
 impl FusedState {
@@ -964,16 +986,23 @@ impl DataflowStep {
             smem,
             grid,
             max_rows: opts.dataflow_max_rows.min(DATAFLOW_MAX_ROWS),
+            max_queries: opts.dataflow_max_queries,
             threads,
         })
     }
 
-    /// The entry point, grid and packed layout for a step of `rows` rows, if v2 takes it.
-    fn launch_for(&self, rows: usize, c: &ModelConfig) -> Option<(&CudaFunction, i32)> {
-        if rows > self.max_rows {
+    /// The entry point, grid and packed layout for a step of `rows` rows whose longest sequence has
+    /// `seq_rows` of them, if v2 takes it.
+    fn launch_for(
+        &self,
+        rows: usize,
+        seq_rows: usize,
+        c: &ModelConfig,
+    ) -> Option<(&CudaFunction, i32)> {
+        let group = c.num_heads / c.num_kv_heads.max(1);
+        if !v2_takes(rows, seq_rows, group, self.max_rows, self.max_queries) {
             return None;
         }
-        let group = c.num_heads / c.num_kv_heads.max(1);
         let plan = v2_plan(rows, c.head_dim, group, self.smem)?;
         let f = if rows <= 8 { &self.m8 } else { &self.m16 };
         Some((f, v2_layout(plan)))
@@ -1030,14 +1059,15 @@ impl GpuTransformer {
         self.fused.step.as_ref().map(|s| s.info)
     }
 
-    /// Which fused kernel a step of `rows` rows launches: "v2" (the dataflow kernel, with
-    /// `FusedOptions::dataflow`) or "v1"; None before the backend is built.
-    pub fn fused_kernel_for(&self, rows: usize) -> Option<&'static str> {
+    /// Which fused kernel a step of `rows` rows whose longest sequence has `seq_rows` rows launches:
+    /// "v2" (the dataflow kernel, with `FusedOptions::dataflow`) or "v1"; None before the backend is
+    /// built.
+    pub fn fused_kernel_for(&self, rows: usize, seq_rows: usize) -> Option<&'static str> {
         let step = self.fused.step.as_ref()?;
         let v2 = step
             .dataflow
             .as_ref()
-            .is_some_and(|d| d.launch_for(rows, &self.config).is_some());
+            .is_some_and(|d| d.launch_for(rows, seq_rows, &self.config).is_some());
         Some(if v2 { "v2" } else { "v1" })
     }
 
@@ -1052,9 +1082,13 @@ impl GpuTransformer {
         self.fused.last_fallback
     }
 
-    /// The counters of the last `FusedMode::Profile` launch, a step of `rows` rows (which says which
-    /// kernel wrote them; synchronises the stream).
-    pub fn fused_profile(&self, rows: usize) -> Result<Option<FusedProfile>, ModelError> {
+    /// The counters of the last `FusedMode::Profile` launch, a step of `rows` rows with at most
+    /// `seq_rows` per sequence (which says which kernel wrote them; synchronises the stream).
+    pub fn fused_profile(
+        &self,
+        rows: usize,
+        seq_rows: usize,
+    ) -> Result<Option<FusedProfile>, ModelError> {
         let Some(step) = self.fused.step.as_ref() else {
             return Ok(None);
         };
@@ -1065,7 +1099,7 @@ impl GpuTransformer {
             .ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)
             .map_err(gpu)? as f64;
-        let dataflow = self.fused_kernel_for(rows) == Some("v2");
+        let dataflow = self.fused_kernel_for(rows, seq_rows) == Some("v2");
         // The CTAs of the kernel that ran (the buffer is sized for v1's grid, at least v2's).
         let ctas = match (&step.dataflow, dataflow) {
             (Some(d), true) => d.grid,
@@ -1118,6 +1152,7 @@ impl GpuTransformer {
             // Padding only happens for graph shapes, whose sequences are all alike.
             shapes.resize(batch.max(shapes.len()), first);
         }
+        st.step_seq_rows = shapes.iter().map(|s| s.tokens).max().unwrap_or(0);
         match supports(&self.config, &shapes).and_then(|()| supports_taps(&self.step_taps)) {
             Ok(()) if st.step.is_some() => {
                 st.this_step = true;
@@ -1206,7 +1241,7 @@ impl GpuTransformer {
             cooperative: self.fused.opts.cooperative,
         };
         let v2 = step.dataflow.as_ref().and_then(|d| {
-            d.launch_for(rows, &self.config)
+            d.launch_for(rows, self.fused.step_seq_rows, &self.config)
                 .map(|(f, layout)| (d, f, layout))
         });
         if let Some((d, func, layout)) = v2 {
@@ -1454,6 +1489,34 @@ mod tests {
         };
         let p5 = plan_smem(budget, stat, split, None, &slots).unwrap();
         assert_eq!((p5.chunk_k, p5.stages), (512, 8));
+    }
+
+    #[test]
+    fn v2_takes_small_steps_whose_attention_items_stay_small() {
+        let d = FusedOptions::default();
+        let takes = |rows, seq_rows, group| {
+            v2_takes(
+                rows,
+                seq_rows,
+                group,
+                d.dataflow_max_rows,
+                d.dataflow_max_queries,
+            )
+        };
+        // llama3.2-1b (4 query heads per KV head): every measured shape of <= 8 rows.
+        for (rows, seq_rows) in [(1, 1), (2, 1), (4, 1), (8, 1), (8, 8)] {
+            assert!(
+                takes(rows, seq_rows, 4),
+                "{rows} rows, {seq_rows} per sequence"
+            );
+        }
+        // More than 8 rows, or a sequence whose items would hold more than 32 query vectors
+        // (qwen2.5-coder-1.5b, 6 per KV head, at 1 request x 8 tokens), run v1.
+        assert!(!takes(16, 8, 4));
+        assert!(!takes(9, 1, 4));
+        assert!(!takes(8, 8, 6));
+        assert!(takes(8, 1, 6) && takes(5, 5, 6) && !takes(6, 6, 6));
+        assert!(!takes(1, usize::MAX, 4), "no overflow");
     }
 
     #[test]

@@ -538,6 +538,7 @@ fn check_variants(
             "fused v2 (dataflow) for <= 16 rows / standard Auto attention",
             FusedOptions {
                 dataflow_max_rows: DATAFLOW_MAX_ROWS,
+                dataflow_max_queries: usize::MAX,
                 ..Default::default()
             },
             AttentionKernel::Auto,
@@ -546,6 +547,7 @@ fn check_variants(
             "fused v2 (dataflow) for <= 16 rows, 5 CTAs / standard Split attention",
             FusedOptions {
                 dataflow_max_rows: DATAFLOW_MAX_ROWS,
+                dataflow_max_queries: usize::MAX,
                 grid: Some(5),
                 ..Default::default()
             },
@@ -580,9 +582,9 @@ fn check_variants(
                 i.kernel,
                 i.grid,
                 i.smem_bytes,
-                gpu.fused_kernel_for(1).unwrap_or("-"),
-                gpu.fused_kernel_for(16).unwrap_or("-"),
-                gpu.fused_kernel_for(17).unwrap_or("-"),
+                gpu.fused_kernel_for(1, 1).unwrap_or("-"),
+                gpu.fused_kernel_for(16, 16).unwrap_or("-"),
+                gpu.fused_kernel_for(17, 17).unwrap_or("-"),
                 i.dataflow_smem_bytes
             );
         }
@@ -872,6 +874,7 @@ fn bench(args: BenchArgs) -> Result<()> {
             opts: FusedOptions {
                 dataflow: true,
                 dataflow_max_rows: DATAFLOW_MAX_ROWS,
+                dataflow_max_queries: usize::MAX,
                 ..fused
             },
         },
@@ -881,6 +884,7 @@ fn bench(args: BenchArgs) -> Result<()> {
             opts: FusedOptions {
                 dataflow: true,
                 dataflow_max_rows: DATAFLOW_MAX_ROWS,
+                dataflow_max_queries: usize::MAX,
                 mode: FusedMode::BarriersOnly,
                 ..fused
             },
@@ -891,6 +895,7 @@ fn bench(args: BenchArgs) -> Result<()> {
             opts: FusedOptions {
                 dataflow: true,
                 dataflow_max_rows: DATAFLOW_MAX_ROWS,
+                dataflow_max_queries: usize::MAX,
                 mode: FusedMode::SkipAttention,
                 ..fused
             },
@@ -993,7 +998,7 @@ fn bench(args: BenchArgs) -> Result<()> {
                 let out = gpu.forward(&inputs)?.logits;
                 let fused_ran = gpu.last_step_fused();
                 if v.opts.dataflow && v.backend == StepBackend::LatencySpecialized {
-                    v2_kernel = gpu.fused_kernel_for(b * t).unwrap_or("-");
+                    v2_kernel = gpu.fused_kernel_for(b * t, t).unwrap_or("-");
                 }
                 if fused_ran != (v.backend == StepBackend::LatencySpecialized) {
                     bail!("{}: the fused kernel ran: {fused_ran}", v.name);
@@ -1040,10 +1045,11 @@ fn bench(args: BenchArgs) -> Result<()> {
                     mode: FusedMode::Profile,
                     dataflow,
                     dataflow_max_rows: DATAFLOW_MAX_ROWS,
+                    dataflow_max_queries: usize::MAX,
                     ..fused
                 })?;
                 gpu.forward(&inputs)?;
-                if let Some(prof) = gpu.fused_profile(b * t)? {
+                if let Some(prof) = gpu.fused_profile(b * t, t)? {
                     if prof.dataflow == dataflow {
                         profiles.push((prof.dataflow, b, t, prof.summary()));
                     }
