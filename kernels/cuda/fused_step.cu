@@ -1033,9 +1033,9 @@ __device__ void fv2_producer_issue(const FusedParams& p, Fv2Producer& q, Fv2Ring
     }
 }
 
-// Stage counters. Arrive: every thread's writes of the stage are ordered before thread 0's release add
-// by the __syncthreads (as v1's grid barrier). Wait: thread 0 polls with acquire loads, then the CTA
-// proceeds together.
+// Stage counters. Arrive: every consumer thread's writes of the stage are ordered before thread 0's
+// release add by the consumers' barrier (as by __syncthreads in v1's grid barrier; the producer warp
+// writes no activations). Wait: thread 0 polls with acquire loads, then the consumers proceed together.
 __device__ __forceinline__ void fv2_arrive(unsigned long long* ctr) {
     fv2_sync();
     if (threadIdx.x == 0) {
