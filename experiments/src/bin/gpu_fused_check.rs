@@ -38,7 +38,7 @@
 //! cargo build --release -p specula-experiments --features cuda --bin gpu_fused_check
 //! Usage: gpu_fused_check [--quick] [--no-cooperative]
 //!        gpu_fused_check --bench [--context N] [--samples N] [--no-tune] [--seed N] [--no-cooperative] [--short [--v2-profile]]
-//! (`--short`: only the standard, the default fused (v1) and the v2 step, no profile (`--v2-profile`: v2's
+//! (`--short`: only the standard, the v1 and the v2 step, no profile (`--v2-profile`: v2's
 //! profile at 1 x 1 and 1 x 8 all the same); with SPECULA_FUSED_STEP_CU set to another fused_step.cu, an
 //! A/B of kernel versions in one device call, NOTES v0.12.)
 
@@ -500,7 +500,7 @@ fn check_variants(
     gpu.set_step_backend(StepBackend::Standard)?;
     let mut variants = vec![
         (
-            "fused default (v2 for <= 8 rows, v1 above) / standard Auto attention",
+            "fused default (v2 for <= 8 rows of <= 32 queries per attention item, else v1) / standard Auto attention",
             FusedOptions::default(),
             AttentionKernel::Auto,
         ),
@@ -851,7 +851,7 @@ fn bench(args: BenchArgs) -> Result<()> {
         floor_ms
     );
     // v1 (the grid-barrier kernel) for every shape; the v2 variants run v2 wherever it fits (<= 16
-    // rows). The engine's default mixes them (v2 for <= 8 rows).
+    // rows). The engine's default mixes them (FusedOptions::dataflow_max_rows / _max_queries).
     let fused = FusedOptions {
         cooperative: args.cooperative,
         dataflow: false,
