@@ -1247,9 +1247,9 @@ __device__ __forceinline__ void fv2_tile_out(const FusedParams& p, const Fv2Gemm
 
 // One GEMM stage: this CTA's tile range of the stage's matrix, weights from the ring.
 template <int NT>
-__device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Producer& q, Fv2Ring& ring, const Fv2Gemm& g,
+__device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const Fv2Gemm& g,
                                       unsigned char* scratch, int scratch_bytes, const FusedTaps* taps, int layer,
-                                      int t0, int t1, unsigned long long* prof_t) {
+                                      int t0, int t1) {
     __shared__ float inv_rms[FV2_MAX_ROWS];
     bool tapped = false;
     if (taps) {
@@ -1666,7 +1666,7 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
             if (work) {
                 const Fv2Gemm g = {width, h, rows, l == 0 ? FV2_SRC_EMBED_NORM : FV2_SRC_NORM, 0, p.x, 0,
                                    L.attn_norm, p.embed, p.tokens, FV2_OUT_PLAIN, p.qkv, 0, 0, 0};
-                fv2_gemm<NT>(p, q, ring, g, scratch, ring_offset, 0, -1, t0, t1, 0);
+                fv2_gemm<NT>(p, ring, g, scratch, ring_offset, 0, -1, t0, t1);
             }
             fused_prof_add(1, t);
         }
@@ -1700,7 +1700,7 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
             if (work) {
                 const Fv2Gemm g = {h, qd, rows, FV2_SRC_BF16, p.act16, 0, 0, 0, 0, 0, FV2_OUT_ACC, p.x, 0, L.bo,
                                    l == 0 ? p.embed : 0};
-                fv2_gemm<NT>(p, q, ring, g, scratch, ring_offset, 0, -1, t0, t1, 0);
+                fv2_gemm<NT>(p, ring, g, scratch, ring_offset, 0, -1, t0, t1);
             }
             fused_prof_add(4, t);
         }
@@ -1715,7 +1715,7 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
             if (work) {
                 const Fv2Gemm g = {2 * p.ffn, h, rows, FV2_SRC_NORM, 0, p.x, 0, L.ffn_norm, 0, 0, FV2_OUT_SWIGLU, 0,
                                    p.ffn_act16, 0, 0};
-                fv2_gemm<NT>(p, q, ring, g, scratch, ring_offset, 0, -1, t0, t1, 0);
+                fv2_gemm<NT>(p, ring, g, scratch, ring_offset, 0, -1, t0, t1);
             }
             fused_prof_add(6, t);
         }
@@ -1729,7 +1729,7 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
             t = clock64();
             if (work) {
                 const Fv2Gemm g = {h, p.ffn, rows, FV2_SRC_BF16, p.ffn_act16, 0, 0, 0, 0, 0, FV2_OUT_ACC, p.x, 0, 0, 0};
-                fv2_gemm<NT>(p, q, ring, g, scratch, ring_offset, tp, l, t0, t1, 0);
+                fv2_gemm<NT>(p, ring, g, scratch, ring_offset, tp, l, t0, t1);
             }
             fused_prof_add(7, t);
         }
@@ -1746,7 +1746,7 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
             if (work) {
                 const Fv2Gemm g = {p.vocab, h, n_logits, FV2_SRC_NORM, 0, p.x, p.logit_rows, p.final_norm, 0, 0,
                                    FV2_OUT_PLAIN, p.logits, 0, 0, 0};
-                fv2_gemm<NT>(p, q, ring, g, scratch, ring_offset, 0, -1, t0, t1, 0);
+                fv2_gemm<NT>(p, ring, g, scratch, ring_offset, 0, -1, t0, t1);
             }
             fused_prof_add(9, t);
         }
