@@ -1083,57 +1083,123 @@ struct Fv2Gemm {
 // Bytes of the GEMM reduction scratch for NT 8-row activation blocks (host: gpu_fused.rs v2_plan).
 __device__ __forceinline__ int fv2_red_bytes(int nt) { return nt * 8 * 8 * 16 * 4; }
 
-// inv_rms[m] for the M source rows of a norm stage: all rows' loads in flight together (elements outer,
-// rows inner), warp sums, then a fixed-order sum over the 8 warps.
-__device__ void fv2_row_rms(const FusedParams& p, const Fv2Gemm& g, float* inv_rms) {
-    __shared__ float wsum[8][FV2_MAX_ROWS];
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    float ss[FV2_MAX_ROWS];
+// A norm stage's row sums of squares, in one order whatever the step's row count (batch invariance):
+// thread tid sums its 8-column pieces tid, tid + FUSED_THREADS, ... of the row (each piece in column
+// order, explicitly rounded so both paths below compile to the same operations), then lane 0's butterfly
+// sum per warp, then the 8 warps in order.
+__device__ __forceinline__ float fv2_piece_ss(const float (&x)[8]) {
+    float s = __fmul_rn(x[0], x[0]);
 #pragma unroll
-    for (int m = 0; m < FV2_MAX_ROWS; ++m) ss[m] = 0.0f;
+    for (int j = 1; j < 8; ++j) s = __fmaf_rn(x[j], x[j], s);
+    return s;
+}
+// The 8 columns [c, c + 8) of source row m of a norm stage.
+__device__ __forceinline__ void fv2_norm_src(const Fv2Gemm& g, int m, int c, float (&x)[8]) {
     if (g.src == FV2_SRC_EMBED_NORM) {
-        for (int i = tid * 8; i < g.K; i += 8 * FUSED_THREADS) {
+        const uint4 e = *reinterpret_cast<const uint4*>(g.embed + (size_t)g.tokens[m] * g.K + c);
+        const unsigned int w4[4] = {e.x, e.y, e.z, e.w};
 #pragma unroll
-            for (int m = 0; m < FV2_MAX_ROWS; ++m) {
-                if (m < g.M) {
-                    const uint4 v = *reinterpret_cast<const uint4*>(g.embed + (size_t)g.tokens[m] * g.K + i);
-                    const unsigned int u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        const float a = bf16_to_f32((unsigned short)(u[j] & 0xffffu));
-                        const float b = bf16_to_f32((unsigned short)(u[j] >> 16));
-                        ss[m] += a * a + b * b;
-                    }
-                }
-            }
+        for (int j = 0; j < 4; ++j) {
+            x[2 * j] = bf16_to_f32((unsigned short)(w4[j] & 0xffffu));
+            x[2 * j + 1] = bf16_to_f32((unsigned short)(w4[j] >> 16));
         }
     } else {
-        for (int i = tid * 4; i < g.K; i += 4 * FUSED_THREADS) {
-#pragma unroll
-            for (int m = 0; m < FV2_MAX_ROWS; ++m) {
-                if (m < g.M) {
-                    const int r = g.src_rows ? g.src_rows[m] : m;
-                    const float4 v = fv2_ldcg4(g.xf + (size_t)r * g.K + i);
-                    ss[m] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-                }
-            }
-        }
+        const int r = g.src_rows ? g.src_rows[m] : m;
+        const float4 a = fv2_ldcg4(g.xf + (size_t)r * g.K + c);
+        const float4 b = fv2_ldcg4(g.xf + (size_t)r * g.K + c + 4);
+        x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+        x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
     }
+}
+// Lane 0's warp sum of each row's partial into wsum[warp][m].
+__device__ __forceinline__ void fv2_warp_ss(const float* ss, int M, float (*wsum)[FV2_MAX_ROWS]) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll
     for (int m = 0; m < FV2_MAX_ROWS; ++m) {
-        if (m < g.M) {
+        if (m < M) {
             float s = ss[m];
-            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
             if (lane == 0) wsum[warp][m] = s;
         }
     }
-    fv2_sync();
-    if (tid < g.M) {
-        float total = 0.0f;
-        for (int w = 0; w < 8; ++w) total += wsum[w][tid];
-        inv_rms[tid] = 1.0f / sqrtf(total / (float)g.K + p.eps);
+}
+__device__ __forceinline__ float fv2_inv_rms(const FusedParams& p, const float (*wsum)[FV2_MAX_ROWS], int m, int K) {
+    float total = 0.0f;
+    for (int w = 0; w < 8; ++w) total = __fadd_rn(total, wsum[w][m]);
+    return 1.0f / sqrtf(total / (float)K + p.eps);
+}
+
+// inv_rms[m] for the M source rows of a norm stage: all rows' loads in flight together (pieces outer,
+// rows inner).
+__device__ void fv2_row_rms(const FusedParams& p, const Fv2Gemm& g, float* inv_rms) {
+    __shared__ float wsum[8][FV2_MAX_ROWS];
+    const int tid = threadIdx.x;
+    float ss[FV2_MAX_ROWS];
+#pragma unroll
+    for (int m = 0; m < FV2_MAX_ROWS; ++m) ss[m] = 0.0f;
+    for (int c = tid * 8; c < g.K; c += 8 * FUSED_THREADS) {
+#pragma unroll
+        for (int m = 0; m < FV2_MAX_ROWS; ++m) {
+            if (m < g.M) {
+                float x[8];
+                fv2_norm_src(g, m, c, x);
+                ss[m] = __fadd_rn(ss[m], fv2_piece_ss(x));
+            }
+        }
     }
+    fv2_warp_ss(ss, g.M, wsum);
     fv2_sync();
+    if (tid < g.M) inv_rms[tid] = fv2_inv_rms(p, wsum, tid, g.K);
+    fv2_sync();
+}
+
+// A norm stage staged whole in one pass when each thread has at most FV2_ONE_PASS_PIECES pieces (M x
+// pieces per row per thread: one or two rows of hidden <= 2048, one row of <= 4096): the pieces are
+// loaded once into registers, summed exactly as fv2_row_rms sums them, then normalised from the
+// registers as fv2_stage does (same inv_rms, same expression). One L2 round trip and one barrier fewer
+// than fv2_row_rms + fv2_stage (4% of a 1 x 1 step, NOTES v0.15). The caller syncs before the tiles
+// read xs.
+#define FV2_ONE_PASS_PIECES 2
+__device__ __forceinline__ bool fv2_one_pass(const Fv2Gemm& g) {
+    const int per_thread = (g.K + 8 * FUSED_THREADS - 1) / (8 * FUSED_THREADS);
+    return g.src != FV2_SRC_BF16 && g.K % 8 == 0 && g.M * per_thread <= FV2_ONE_PASS_PIECES;
+}
+__device__ void fv2_stage_norm_one_pass(const FusedParams& p, const Fv2Gemm& g, unsigned char* xs, int xs_stride) {
+    __shared__ float wsum[8][FV2_MAX_ROWS];
+    const int tid = threadIdx.x;
+    const int per_thread = (g.K + 8 * FUSED_THREADS - 1) / (8 * FUSED_THREADS);
+    float x[FV2_ONE_PASS_PIECES][8];
+    int cm[FV2_ONE_PASS_PIECES], cc[FV2_ONE_PASS_PIECES];
+    float ss[FV2_MAX_ROWS];
+#pragma unroll
+    for (int m = 0; m < FV2_MAX_ROWS; ++m) ss[m] = 0.0f;
+    // Piece u: row u / per_thread, the thread's (u % per_thread)-th piece of that row.
+#pragma unroll
+    for (int u = 0; u < FV2_ONE_PASS_PIECES; ++u) {
+        cm[u] = u / per_thread;
+        cc[u] = (tid + (u % per_thread) * FUSED_THREADS) * 8;
+        if (cm[u] < g.M && cc[u] < g.K) fv2_norm_src(g, cm[u], cc[u], x[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < FV2_ONE_PASS_PIECES; ++u) {
+        if (cm[u] < g.M && cc[u] < g.K) ss[cm[u]] = __fadd_rn(ss[cm[u]], fv2_piece_ss(x[u]));
+    }
+    fv2_warp_ss(ss, g.M, wsum);
+    fv2_sync();
+#pragma unroll
+    for (int u = 0; u < FV2_ONE_PASS_PIECES; ++u) {
+        const int m = cm[u], c = cc[u];
+        if (m >= g.M || c >= g.K) continue;
+        const float inv = fv2_inv_rms(p, wsum, m, g.K);
+        unsigned int o[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const unsigned int lo = f32_to_bf16(g.norm_w[c + 2 * j] * (x[u][2 * j] * inv));
+            const unsigned int hi = f32_to_bf16(g.norm_w[c + 2 * j + 1] * (x[u][2 * j + 1] * inv));
+            o[j] = lo | (hi << 16);
+        }
+        *reinterpret_cast<uint4*>(xs + (size_t)m * xs_stride + (size_t)c * 2) = make_uint4(o[0], o[1], o[2], o[3]);
+    }
 }
 
 // Stages activation columns [k0, k0 + width) of the M rows as bf16 into xs (row stride xs_stride).
@@ -1189,10 +1255,13 @@ __device__ void fv2_stage(const Fv2Gemm& g, const float* inv_rms, int k0, int wi
     }
 }
 
-// The tile epilogue: 8-warp reduction in warp order through `red`, then the write.
+// The tile epilogue: 8-warp reduction in warp order through `red`, then the write. `base`: this thread's
+// output element's value before the stage (FV2_OUT_ACC), loaded by fv2_gemm before the tile's MMAs.
+// `red` alternates between two buffers from tile to tile, so no barrier ends the epilogue: a buffer is
+// written again two tiles later, after the barrier that follows the next tile's MMAs.
 template <int NT>
 __device__ __forceinline__ void fv2_tile_out(const FusedParams& p, const Fv2Gemm& g, float (&c)[NT][4], int tile,
-                                             float* red, const FusedTaps* taps, bool tapped, int layer) {
+                                             float* red, const FusedTaps* taps, bool tapped, int layer, float base) {
     constexpr int MR = 8 * NT;  // activation rows per tile pass
     float(*r3)[MR][16] = reinterpret_cast<float(*)[MR][16]>(red);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
@@ -1229,7 +1298,6 @@ __device__ __forceinline__ void fv2_tile_out(const FusedParams& p, const Fv2Gemm
             float* dst = g.out + (size_t)m * g.N + n;
             float v = sum;
             if (g.out_mode == FV2_OUT_ACC) {
-                const float base = g.init_embed ? bf16_to_f32(g.init_embed[(size_t)p.tokens[m] * g.N + n]) : __ldcg(dst);
                 v = base + sum;
                 if (g.bias) v += g.bias[n];  // the standard step: (x + s) + b
                 if (tapped) {
@@ -1242,7 +1310,6 @@ __device__ __forceinline__ void fv2_tile_out(const FusedParams& p, const Fv2Gemm
             *dst = v;
         }
     }
-    fv2_sync();  // red is reused by the next tile
 }
 
 // One GEMM stage: this CTA's tile range of the stage's matrix, weights from the ring.
@@ -1256,9 +1323,9 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
         for (int sl = 0; sl < taps->count; ++sl) tapped |= ((taps->layers >> (8 * sl)) & 0xffull) == (unsigned)layer;
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
-    float* red = reinterpret_cast<float*>(scratch);
-    unsigned char* xs = scratch + fv2_red_bytes(NT);
-    const int xs_cap = scratch_bytes - fv2_red_bytes(NT);
+    float* red = reinterpret_cast<float*>(scratch);  // two buffers (fv2_tile_out)
+    unsigned char* xs = scratch + 2 * fv2_red_bytes(NT);
+    const int xs_cap = scratch_bytes - 2 * fv2_red_bytes(NT);
     const int kchunks = (g.K + FV2_CHUNK_K - 1) / FV2_CHUNK_K;
     // The whole K staged once when it fits (every stage at one row), else one chunk at a time.
     const bool whole = g.M * (g.K * 2 + FV2_XS_PAD) <= xs_cap;
@@ -1266,10 +1333,15 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
     const int xs_stride = span * 2 + FV2_XS_PAD;
     const int w_stride = g.K <= FV2_CHUNK_K ? g.K * 2 : FV2_CHUNK_K * 2;  // bytes between weight rows in a slot
     long long ts = clock64();
-    if (g.src != FV2_SRC_BF16) fv2_row_rms(p, g, inv_rms);
-    if (whole) {
-        fv2_stage(g, inv_rms, 0, g.K, xs, xs_stride);
+    if (whole && fv2_one_pass(g)) {
+        fv2_stage_norm_one_pass(p, g, xs, xs_stride);
         fv2_sync();
+    } else {
+        if (g.src != FV2_SRC_BF16) fv2_row_rms(p, g, inv_rms);
+        if (whole) {
+            fv2_stage(g, inv_rms, 0, g.K, xs, xs_stride);
+            fv2_sync();
+        }
     }
     fused_prof_add(22, ts);
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
@@ -1277,6 +1349,17 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
         float c[NT][4];
 #pragma unroll
         for (int i = 0; i < NT; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.0f;
+        // The residual element this thread's epilogue adds to (one per thread: 16 x 8 NT <= 256), loaded
+        // now so its L2 round trip overlaps the MMAs. Nothing else writes it during the stage (one owner;
+        // its previous writers are stages this one waited for).
+        float base = 0.0f;
+        if (g.out_mode == FV2_OUT_ACC && threadIdx.x < 8 * NT * 16) {
+            const int m = threadIdx.x / 16, n = tile * 16 + threadIdx.x % 16;
+            if (m < g.M && n < g.N) {
+                base = g.init_embed ? bf16_to_f32(g.init_embed[(size_t)p.tokens[m] * g.N + n])
+                                    : __ldcg(g.out + (size_t)m * g.N + n);
+            }
+        }
         for (int kc = 0; kc < kchunks; ++kc) {
             const int k0 = kc * FV2_CHUNK_K;
             const int width = min(FV2_CHUNK_K, g.K - k0);
@@ -1313,7 +1396,8 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
             ring.consumed += 1;
         }
         ts = clock64();
-        fv2_tile_out<NT>(p, g, c, tile, red, taps, tapped, layer);
+        fv2_tile_out<NT>(p, g, c, tile, red + ((tile - t0) & 1) * (fv2_red_bytes(NT) / 4), taps, tapped, layer,
+                         base);
         fused_prof_add(21, ts);
     }
 }

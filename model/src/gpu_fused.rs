@@ -395,7 +395,8 @@ fn v2_plan(rows: usize, head_dim: usize, group: usize, smem: usize) -> Option<(u
     }
     let nt = rows.div_ceil(8);
     let red = nt * 8 * 8 * 16 * 4;
-    let gemm = red + rows * (2 * 2048 + 64);
+    // Two reduction buffers: an epilogue that skips its closing barrier alternates between them.
+    let gemm = 2 * red + rows * (2 * 2048 + 64);
     let qv = rows * group;
     let attention = 4
         * (2 * V2_ATT_KEYS * (head_dim + 4)
@@ -1556,10 +1557,10 @@ mod tests {
                 assert_eq!(offset % 128, 0);
                 assert!(offset + stages * V2_SLOT_BYTES <= smem);
                 assert!(offset < 1 << 24 && stages < 256);
-                // The scratch holds the GEMM reduction plus one chunk of staged activations per row,
-                // and the attention buffers.
+                // The scratch holds the GEMM reduction's two buffers plus one chunk of staged
+                // activations per row, and the attention buffers.
                 let red = rows.div_ceil(8) * 4096;
-                assert!(offset >= red + rows * (4096 + 64));
+                assert!(offset >= 2 * red + rows * (4096 + 64));
                 assert!(offset >= attention);
                 // More rows never get more slots.
                 assert!(stages <= last);
@@ -1569,7 +1570,7 @@ mod tests {
         // llama3.2-1b at one row: three slots, and the down projection's whole K (8192) staged.
         let (offset, stages) = v2_plan(1, 64, 4, smem).unwrap();
         assert_eq!(stages, 3);
-        assert!(offset - 4096 >= 2 * 8192 + 64);
+        assert!(offset - 2 * 4096 >= 2 * 8192 + 64);
         assert_eq!(v2_plan(0, 64, 4, smem), None);
         assert_eq!(v2_plan(17, 64, 4, smem), None);
         assert_eq!(v2_plan(1, 64, 4, 40_000), None);
