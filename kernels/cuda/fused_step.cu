@@ -1255,6 +1255,17 @@ __device__ void fv2_stage(const Fv2Gemm& g, const float* inv_rms, int k0, int wi
     }
 }
 
+// Stages columns [k0, k0 + width) of the M rows of a bf16 source (FV2_SRC_BF16) into xs by cp.async (a
+// plain copy: every piece in flight at once, no registers); commits one group, the caller waits.
+__device__ void fv2_stage_async(const Fv2Gemm& g, int k0, int width, unsigned char* xs, int xs_stride) {
+    const int per_row = width / 8;
+    for (int i = threadIdx.x; i < g.M * per_row; i += FUSED_THREADS) {
+        const int m = i / per_row, c = i % per_row;
+        fused_cp_async_16(xs + (size_t)m * xs_stride + c * 16, g.x16 + (size_t)m * g.K + k0 + c * 8);
+    }
+    fused_cp_async_commit();
+}
+
 // The tile epilogue: 8-warp reduction in warp order through `red`, then the write. `base`: this thread's
 // output element's value before the stage (FV2_OUT_ACC), loaded by fv2_gemm before the tile's MMAs.
 // `red` alternates between two buffers from tile to tile, so no barrier ends the epilogue: a buffer is
@@ -1333,8 +1344,16 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
     const int xs_stride = span * 2 + FV2_XS_PAD;
     const int w_stride = g.K <= FV2_CHUNK_K ? g.K * 2 : FV2_CHUNK_K * 2;  // bytes between weight rows in a slot
     long long ts = clock64();
+    // A bf16 source staged per chunk gets two chunk buffers when they fit: chunk kc + 1's copies fly
+    // during chunk kc's MMAs.
+    const bool async_src = g.src == FV2_SRC_BF16 && g.K % 8 == 0;
+    const bool two_bufs = !whole && async_src && 2 * g.M * xs_stride <= xs_cap;
     if (whole && fv2_one_pass(g)) {
         fv2_stage_norm_one_pass(p, g, xs, xs_stride);
+        fv2_sync();
+    } else if (whole && async_src) {
+        fv2_stage_async(g, 0, g.K, xs, xs_stride);
+        fused_cp_async_wait(0);
         fv2_sync();
     } else {
         if (g.src != FV2_SRC_BF16) fv2_row_rms(p, g, inv_rms);
@@ -1363,7 +1382,22 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
         for (int kc = 0; kc < kchunks; ++kc) {
             const int k0 = kc * FV2_CHUNK_K;
             const int width = min(FV2_CHUNK_K, g.K - k0);
-            if (!whole) {
+            const unsigned char* xs_k = xs;
+            if (two_bufs) {
+                ts = clock64();
+                if (kc == 0) fv2_stage_async(g, 0, width, xs, xs_stride);
+                if (kc + 1 < kchunks) {
+                    const int k1 = k0 + FV2_CHUNK_K;
+                    fv2_stage_async(g, k1, min(FV2_CHUNK_K, g.K - k1), xs + (size_t)((kc + 1) & 1) * g.M * xs_stride,
+                                    xs_stride);
+                    fused_cp_async_wait(1);
+                } else {
+                    fused_cp_async_wait(0);
+                }
+                fv2_sync();
+                fused_prof_add(22, ts);
+                xs_k = xs + (size_t)(kc & 1) * g.M * xs_stride;
+            } else if (!whole) {
                 ts = clock64();
                 fv2_stage(g, inv_rms, k0, width, xs, xs_stride);
                 fv2_sync();
@@ -1385,7 +1419,7 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
                 for (int nt = 0; nt < NT; ++nt) {
                     const int m = nt * 8 + gq;
                     const uint4 b =
-                        m < g.M ? *reinterpret_cast<const uint4*>(xs + (size_t)m * xs_stride + (xk0 + kl) * 2) : zero;
+                        m < g.M ? *reinterpret_cast<const uint4*>(xs_k + (size_t)m * xs_stride + (xk0 + kl) * 2) : zero;
                     mma_bf16_16816(c[nt], a_lo.x, a_hi.x, a_lo.y, a_hi.y, b.x, b.y);
                     mma_bf16_16816(c[nt], a_lo.z, a_hi.z, a_lo.w, a_hi.w, b.z, b.w);
                 }
