@@ -1362,6 +1362,7 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
             fv2_sync();
         }
     }
+    if (g.src != FV2_SRC_BF16) fused_prof_add(12, ts);  // the norm stages' share of slot 22
     fused_prof_add(22, ts);
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     for (int tile = t0; tile < t1; ++tile) {
@@ -1401,6 +1402,7 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
                 ts = clock64();
                 fv2_stage(g, inv_rms, k0, width, xs, xs_stride);
                 fv2_sync();
+                if (g.src != FV2_SRC_BF16) fused_prof_add(12, ts);
                 fused_prof_add(22, ts);
             }
             const int xk0 = whole ? k0 : 0;
@@ -1546,6 +1548,7 @@ __device__ __noinline__ void fv2_attention_item(const FusedParams& p, const Fuse
         fused_prof_add(13, tw);
         *waited = true;
     }
+    long long ta = clock64();
     // q of the G heads of every row (pre-scaled), the new k and v of the sequence: one warp per vector.
     float v[8];
     for (int vec = warp; vec < QV + 2 * rows; vec += 8) {
@@ -1579,6 +1582,8 @@ __device__ __noinline__ void fv2_attention_item(const FusedParams& p, const Fuse
     }
     for (int i = tid; i < QV * hd; i += FUSED_THREADS) acc_s[i] = 0.0f;
     fv2_sync();
+    fused_prof_add(2, ta);
+    ta = clock64();
     for (int kt = kb; kt < ke; kt += FV2_ATT_KEYS) {
         const int nk = min(FV2_ATT_KEYS, ke - kt);
         if (!(kt == kb && first_cached_only)) fv2_load_keys(p, L, table_row, pos0, kt, nk, kvh, kv_s, nkv_s, rows, slot_s);
@@ -1625,6 +1630,8 @@ __device__ __noinline__ void fv2_attention_item(const FusedParams& p, const Fuse
         }
         fv2_sync();  // kv_s is reloaded by the next tile; acc/m/l complete
     }
+    fused_prof_add(5, ta);
+    ta = clock64();
     // Output: one split writes act16 directly; several write partials [row][head][split][hd + 2] and the
     // last to arrive combines them in split order.
     if (splits == 1) {
@@ -1649,7 +1656,9 @@ __device__ __noinline__ void fv2_attention_item(const FusedParams& p, const Fuse
         last_s = done == (unsigned int)(splits - 1);
     }
     fv2_sync();
+    fused_prof_add(8, ta);
     if (!last_s) return;
+    ta = clock64();
     __threadfence();
     for (int i = tid; i < QV * hd; i += FUSED_THREADS) {
         const int qv = i / hd, d = i % hd;
@@ -1666,6 +1675,7 @@ __device__ __noinline__ void fv2_attention_item(const FusedParams& p, const Fuse
         }
         p.act16[(size_t)row * p.n_heads * hd + (size_t)head * hd + d] = f32_to_bf16(o / l);
     }
+    fused_prof_add(10, ta);
     if (tid == 0) p.attn_counters[(size_t)s * p.n_kv_heads + kvh] = 0u;
 }
 
