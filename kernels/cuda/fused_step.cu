@@ -161,6 +161,13 @@ __shared__ int fused_prof_on;
 __device__ __forceinline__ void fused_prof_add(int slot, long long t0) {
     if (threadIdx.x == 0 && fused_prof_on) fused_prof[slot] += (unsigned long long)(clock64() - t0);
 }
+// The whole kernel's cycles into slot 23, then this CTA's slots out to prof[blockIdx.x] (profiled launches).
+__device__ __forceinline__ void fused_prof_finish(unsigned long long* prof, long long t_kernel) {
+    fused_prof_add(23, t_kernel);
+    if (threadIdx.x == 0 && fused_prof_on && prof) {
+        for (int i = 0; i < FUSED_PROF_SLOTS; ++i) prof[(size_t)blockIdx.x * FUSED_PROF_SLOTS + i] = fused_prof[i];
+    }
+}
 
 // ---------------------------------------------------------------------------------------------------
 // Weight ring (v1). Every CTA reads its weights as ONE sequence of chunks over the whole step: for each
@@ -861,10 +868,7 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
         fused_prof_add(9, t);
     }
 #undef FUSED_PHASE
-    fused_prof_add(23, t_kernel);
-    if (threadIdx.x == 0 && fused_prof_on && p.prof) {
-        for (int i = 0; i < FUSED_PROF_SLOTS; ++i) p.prof[(size_t)blockIdx.x * FUSED_PROF_SLOTS + i] = fused_prof[i];
-    }
+    fused_prof_finish(p.prof, t_kernel);
 }
 
 // One CTA per SM: up to 255 registers per thread.
@@ -1880,10 +1884,7 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
         }
     }
 #undef FV2_CTR
-    fused_prof_add(23, t_kernel);
-    if (threadIdx.x == 0 && fused_prof_on && p.prof) {
-        for (int i = 0; i < FUSED_PROF_SLOTS; ++i) p.prof[(size_t)blockIdx.x * FUSED_PROF_SLOTS + i] = fused_prof[i];
-    }
+    fused_prof_finish(p.prof, t_kernel);
 }
 
 // v2 entry points: rows <= 8 (one 8-row activation block) and rows <= 16 (two). Arguments as
