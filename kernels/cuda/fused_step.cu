@@ -1115,6 +1115,17 @@ __device__ __forceinline__ void fv2_norm_src(const Fv2Gemm& g, int m, int c, flo
         x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
     }
 }
+// The normalised piece as 8 bf16: rms_norm_bf16_body's expression, w * (x * inv), rounded to bf16.
+__device__ __forceinline__ uint4 fv2_norm_pack(const Fv2Gemm& g, int c, const float (&x)[8], float inv) {
+    unsigned int o[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const unsigned int lo = f32_to_bf16(g.norm_w[c + 2 * j] * (x[2 * j] * inv));
+        const unsigned int hi = f32_to_bf16(g.norm_w[c + 2 * j + 1] * (x[2 * j + 1] * inv));
+        o[j] = lo | (hi << 16);
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
 // Lane 0's warp sum of each row's partial into wsum[warp][m].
 __device__ __forceinline__ void fv2_warp_ss(const float* ss, int M, float (*wsum)[FV2_MAX_ROWS]) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1194,15 +1205,8 @@ __device__ void fv2_stage_norm_one_pass(const FusedParams& p, const Fv2Gemm& g, 
     for (int u = 0; u < FV2_ONE_PASS_PIECES; ++u) {
         const int m = cm[u], c = cc[u];
         if (m >= g.M || c >= g.K) continue;
-        const float inv = fv2_inv_rms(p, wsum, m, g.K);
-        unsigned int o[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const unsigned int lo = f32_to_bf16(g.norm_w[c + 2 * j] * (x[u][2 * j] * inv));
-            const unsigned int hi = f32_to_bf16(g.norm_w[c + 2 * j + 1] * (x[u][2 * j + 1] * inv));
-            o[j] = lo | (hi << 16);
-        }
-        *reinterpret_cast<uint4*>(xs + (size_t)m * xs_stride + (size_t)c * 2) = make_uint4(o[0], o[1], o[2], o[3]);
+        *reinterpret_cast<uint4*>(xs + (size_t)m * xs_stride + (size_t)c * 2) =
+            fv2_norm_pack(g, c, x[u], fv2_inv_rms(p, wsum, m, g.K));
     }
 }
 
@@ -1222,31 +1226,8 @@ __device__ void fv2_stage(const Fv2Gemm& g, const float* inv_rms, int k0, int wi
                 v[u] = fv2_ldcg16(g.x16 + (size_t)m * g.K + c);
             } else {
                 float x[8];
-                if (g.src == FV2_SRC_EMBED_NORM) {
-                    const uint4 e = *reinterpret_cast<const uint4*>(g.embed + (size_t)g.tokens[m] * g.K + c);
-                    const unsigned int w4[4] = {e.x, e.y, e.z, e.w};
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        x[2 * j] = bf16_to_f32((unsigned short)(w4[j] & 0xffffu));
-                        x[2 * j + 1] = bf16_to_f32((unsigned short)(w4[j] >> 16));
-                    }
-                } else {
-                    const int r = g.src_rows ? g.src_rows[m] : m;
-                    const float4 a = fv2_ldcg4(g.xf + (size_t)r * g.K + c);
-                    const float4 b = fv2_ldcg4(g.xf + (size_t)r * g.K + c + 4);
-                    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
-                    x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
-                }
-                const float inv = inv_rms[m];
-                unsigned int o[4];
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    // rms_norm_bf16_body's expression: w * (x * inv), rounded to bf16.
-                    const unsigned int lo = f32_to_bf16(g.norm_w[c + 2 * j] * (x[2 * j] * inv));
-                    const unsigned int hi = f32_to_bf16(g.norm_w[c + 2 * j + 1] * (x[2 * j + 1] * inv));
-                    o[j] = lo | (hi << 16);
-                }
-                v[u] = make_uint4(o[0], o[1], o[2], o[3]);
+                fv2_norm_src(g, m, c, x);
+                v[u] = fv2_norm_pack(g, c, x, inv_rms[m]);
             }
         }
 #pragma unroll
