@@ -514,6 +514,10 @@ __device__ __noinline__ void fused_gemm_ring(const FusedParams& p, FusedProducer
         for (int sl = 0; sl < taps->count; ++sl) tapped |= ((taps->layers >> (8 * sl)) & 0xffull) == (unsigned)layer;
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
+    // The ring addressed from the dynamic shared array, so the weight fragment loads are shared loads
+    // (fv2_gemm says why).
+    extern __shared__ __align__(128) unsigned char fused_dyn[];
+    const unsigned char* slots = fused_dyn + (ring.slots - fused_dyn);
     int t0, t1;
     fused_tile_range(g.N, &t0, &t1);
     const int chunk_k = p.chunk_k;
@@ -564,7 +568,7 @@ __device__ __noinline__ void fused_gemm_ring(const FusedParams& p, FusedProducer
                 fused_mbar_wait(&ring.bars[slot], parity);
             }
             fused_prof_add(20, t_wait);
-            const unsigned char* st = ring.slots + (size_t)slot * fused_stage_bytes(chunk_k);
+            const unsigned char* st = slots + (size_t)slot * fused_stage_bytes(chunk_k);
             const int k0 = kc * chunk_k;
             const int width = min(chunk_k, g.K - k0);
             const int row_stride = fused_chunk_row_stride(g.K, width, chunk_k, q.whole_tiles && !q.ldgsts);
@@ -1319,6 +1323,12 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
         for (int sl = 0; sl < taps->count; ++sl) tapped |= ((taps->layers >> (8 * sl)) & 0xffull) == (unsigned)layer;
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
+    // The ring's slots addressed from the dynamic shared array itself: through the Fv2Ring pointer the
+    // compiler cannot tell the address space and emits generic loads (LD.E) for the weight fragments,
+    // whose results the MMAs then wait for on the long scoreboard (Nsight Compute, NOTES v0.16).
+    extern __shared__ __align__(128) unsigned char fused_dyn[];
+    const unsigned char* slots = fused_dyn + (ring.slots - fused_dyn);
+    const int M = g.M;  // a register in the MMA loop (g lives in the caller's local memory)
     float* red = reinterpret_cast<float*>(scratch);  // two buffers (fv2_tile_out)
     unsigned char* xs = scratch + 2 * fv2_red_bytes(NT);
     const int xs_cap = scratch_bytes - 2 * fv2_red_bytes(NT);
@@ -1397,7 +1407,7 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
             fused_mbar_wait(&ring.bars[s0], (c0 / (unsigned)ring.stages) & 1u);
             fused_prof_add(20, ts);
             ts = clock64();
-            const unsigned char* st0 = ring.slots + (size_t)s0 * FV2_SLOT_BYTES;
+            const unsigned char* st0 = slots + (size_t)s0 * FV2_SLOT_BYTES;
             for (int sc = warp; sc * 32 < width; sc += 8) {
                 const int kl = sc * 32 + t * 8;
                 const uint4 a_lo = *reinterpret_cast<const uint4*>(st0 + gq * w_stride + kl * 2);
@@ -1406,7 +1416,7 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
                 for (int nt = 0; nt < NT; ++nt) {
                     const int m = nt * 8 + gq;
                     const uint4 b =
-                        m < g.M ? *reinterpret_cast<const uint4*>(xs_k + (size_t)m * xs_stride + (xk0 + kl) * 2) : zero;
+                        m < M ? *reinterpret_cast<const uint4*>(xs_k + (size_t)m * xs_stride + (xk0 + kl) * 2) : zero;
                     mma_bf16_16816(c[nt], a_lo.x, a_hi.x, a_lo.y, a_hi.y, b.x, b.y);
                     mma_bf16_16816(c[nt], a_lo.z, a_hi.z, a_lo.w, a_hi.w, b.z, b.w);
                 }
