@@ -158,8 +158,26 @@ static_assert(sizeof(FusedParams) == 20 * 8 + 16 * 4, "FusedParams must match gp
 #define FUSED_PROF_SLOTS 32
 __shared__ unsigned long long fused_prof[FUSED_PROF_SLOTS];
 __shared__ int fused_prof_on;
+// FUSED_PROFILING = 0 compiles the profile out: fused_clock() is 0 and fused_prof_add nothing. Compiled
+// in, the profile seems to cost a 1 x 1 step 3-4% even with profiling off at run time (NOTES v0.16: the
+// timeline candidate, which kept only a few marks, beat the shipped kernel by 3.2% (v2) and 4.4% (v1)).
+// The host compiles this program a second time with FUSED_PROFILING 1 for FusedMode::Profile
+// (kernels/src/cuda/mod.rs FUSED_PROFILING_SOURCE). The default below stays 1, so the two builds are
+// the same, until an A/B on the H200 confirms the gain (experiments/fused/README.md).
+#ifndef FUSED_PROFILING
+#define FUSED_PROFILING 1
+#endif
+__device__ __forceinline__ long long fused_clock() {
+#if FUSED_PROFILING
+    return clock64();
+#else
+    return 0;
+#endif
+}
 __device__ __forceinline__ void fused_prof_add(int slot, long long t0) {
+#if FUSED_PROFILING
     if (threadIdx.x == 0 && fused_prof_on) fused_prof[slot] += (unsigned long long)(clock64() - t0);
+#endif
 }
 // The whole kernel's cycles into slot 23, then this CTA's slots out to prof[blockIdx.x] (profiled launches).
 __device__ __forceinline__ void fused_prof_finish(unsigned long long* prof, long long t_kernel) {
@@ -529,7 +547,7 @@ __device__ __noinline__ void fused_gemm_ring(const FusedParams& p, FusedProducer
     // instead of paying an L2 round trip per chunk. All loads of the copy are in flight together.
     const int xs_stride = g.K * 2 + FUSED_XS_PAD;
     const bool staged = t0 < t1 && g.M * xs_stride <= p.xs_bytes;
-    const long long t_stage = clock64();
+    const long long t_stage = fused_clock();
     if (staged) {
         const int per_row = g.K / 8;  // 16-byte pieces
         const int pieces = g.M * per_row;
@@ -560,7 +578,7 @@ __device__ __noinline__ void fused_gemm_ring(const FusedParams& p, FusedProducer
         for (int kc = 0; kc < kchunks; ++kc) {
             const int slot = (int)(ring.consumed % (unsigned)ring.stages);
             const unsigned int parity = (ring.consumed / (unsigned)ring.stages) & 1u;
-            const long long t_wait = clock64();
+            const long long t_wait = fused_clock();
             if (q.ldgsts) {
                 fused_cp_async_wait(ring.stages - 1);
                 __syncthreads();  // every thread's pieces of the chunk have landed
@@ -622,7 +640,7 @@ __device__ __noinline__ void fused_gemm_ring(const FusedParams& p, FusedProducer
             }
             ++ring.consumed;
         }
-        const long long t_out = clock64();
+        const long long t_out = fused_clock();
 #pragma unroll
         for (int ps = 0; ps < PASSES; ++ps) fused_tile_out<NT>(g, c[ps], ps * 64, tile, red, taps, tapped, layer);
         fused_prof_add(21, t_out);
@@ -793,7 +811,7 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
     }
     if (threadIdx.x < FUSED_PROF_SLOTS) fused_prof[threadIdx.x] = 0;
     if (threadIdx.x == 0) fused_prof_on = (flags & FUSED_PROFILE) != 0;
-    const long long t_kernel = clock64();
+    const long long t_kernel = fused_clock();
     __syncthreads();
     const FusedParams& p = P;
     const bool work = !(flags & FUSED_SKIP_WORK);
@@ -834,13 +852,13 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
         const FusedGemm o = {L.wo, p.act16, p.x, 0, L.bo, h, qd, rows, 1};
         const FusedGemm gate_up = {L.w_gate_up, p.act16, 0, p.ffn_act16, 0, 2 * p.ffn, h, rows, 0};
         const FusedGemm down = {L.w_down, p.ffn_act16, p.x, 0, 0, h, p.ffn, rows, 1};
-        long long t = clock64();
+        long long t = fused_clock();
         // Phase k's work, then the grid barrier after it, each timed when profiling.
 #define FUSED_PHASE(k, work_stmt)           \
-    t = clock64();                          \
+    t = fused_clock();                          \
     work_stmt;                              \
     fused_prof_add(k, t);                   \
-    t = clock64();                          \
+    t = fused_clock();                          \
     fused_grid_barrier(p.barrier);          \
     fused_prof_add(10 + k, t);
         // A: attention RMSNorm (layer 0: from the embedding rows).
@@ -863,11 +881,11 @@ __device__ __forceinline__ void fused_forward_body(const FusedParams* __restrict
         FUSED_PHASE(7, if (work) fused_gemm_phase(p, q, ring, down, red, xs_buf, taps.count > 0 ? &taps : 0, l))
     }
     if (n_logits > 0) {
-        long long t = clock64();
+        long long t = fused_clock();
         // Z1: final norm of the logits rows; Z2: LM head.
         FUSED_PHASE(8, if (work) fused_norm_phase(p.x, p.logit_rows, n_logits, p.final_norm, p.act16, h, p.eps, 0, 0))
         const FusedGemm head = {p.lm_head, p.act16, p.logits, 0, 0, p.vocab, h, n_logits, 0};
-        t = clock64();
+        t = fused_clock();
         if (work) fused_gemm_phase(p, q, ring, head, red, xs_buf, 0, -1);
         fused_prof_add(9, t);
     }
@@ -1338,7 +1356,7 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
     const int span = whole ? g.K : FV2_CHUNK_K;
     const int xs_stride = span * 2 + FV2_XS_PAD;
     const int w_stride = g.K <= FV2_CHUNK_K ? g.K * 2 : FV2_CHUNK_K * 2;  // bytes between weight rows in a slot
-    long long ts = clock64();
+    long long ts = fused_clock();
     // A bf16 source staged per chunk gets two chunk buffers when they fit: chunk kc + 1's copies fly
     // during chunk kc's MMAs.
     const bool async_src = g.src == FV2_SRC_BF16 && g.K % 8 == 0;
@@ -1380,7 +1398,7 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
             const int width = min(FV2_CHUNK_K, g.K - k0);
             const unsigned char* xs_k = xs;
             if (two_bufs) {
-                ts = clock64();
+                ts = fused_clock();
                 if (kc == 0) fv2_stage_async(g, 0, width, xs, xs_stride);
                 if (kc + 1 < kchunks) {
                     const int k1 = k0 + FV2_CHUNK_K;
@@ -1394,7 +1412,7 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
                 fused_prof_add(22, ts);
                 xs_k = xs + (size_t)(kc & 1) * g.M * xs_stride;
             } else if (!whole) {
-                ts = clock64();
+                ts = fused_clock();
                 fv2_stage(g, inv_rms, k0, width, xs, xs_stride);
                 fv2_sync();
                 if (g.src != FV2_SRC_BF16) fused_prof_add(12, ts);
@@ -1403,10 +1421,10 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
             const int xk0 = whole ? k0 : 0;
             const unsigned int c0 = ring.consumed;
             const int s0 = (int)(c0 % (unsigned)ring.stages);
-            ts = clock64();
+            ts = fused_clock();
             fused_mbar_wait(&ring.bars[s0], (c0 / (unsigned)ring.stages) & 1u);
             fused_prof_add(20, ts);
-            ts = clock64();
+            ts = fused_clock();
             const unsigned char* st0 = slots + (size_t)s0 * FV2_SLOT_BYTES;
             for (int sc = warp; sc * 32 < width; sc += 8) {
                 const int kl = sc * 32 + t * 8;
@@ -1426,7 +1444,7 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
             if (threadIdx.x == 0) fv2_mbar_arrive(&ring.empty[s0]);
             ring.consumed += 1;
         }
-        ts = clock64();
+        ts = fused_clock();
         fv2_tile_out<NT>(p, g, c, tile, red + ((tile - t0) & 1) * (fv2_red_bytes(NT) / 4), taps, tapped, layer,
                          base);
         fused_prof_add(21, ts);
@@ -1538,12 +1556,12 @@ __device__ __noinline__ void fv2_attention_item(const FusedParams& p, const Fuse
     const bool first_cached_only = kb + first_nk <= pos0;
     if (!prefetched && first_cached_only) fv2_load_keys(p, L, table_row, pos0, kb, first_nk, kvh, kv_s, nkv_s, rows, slot_s);
     if (!*waited) {
-        const long long tw = clock64();
+        const long long tw = fused_clock();
         fv2_wait(q_ctr, target);
         fused_prof_add(13, tw);
         *waited = true;
     }
-    long long ta = clock64();
+    long long ta = fused_clock();
     // q of the G heads of every row (pre-scaled), the new k and v of the sequence: one warp per vector.
     float v[8];
     for (int vec = warp; vec < QV + 2 * rows; vec += 8) {
@@ -1578,7 +1596,7 @@ __device__ __noinline__ void fv2_attention_item(const FusedParams& p, const Fuse
     for (int i = tid; i < QV * hd; i += FUSED_THREADS) acc_s[i] = 0.0f;
     fv2_sync();
     fused_prof_add(2, ta);
-    ta = clock64();
+    ta = fused_clock();
     for (int kt = kb; kt < ke; kt += FV2_ATT_KEYS) {
         const int nk = min(FV2_ATT_KEYS, ke - kt);
         if (!(kt == kb && first_cached_only)) fv2_load_keys(p, L, table_row, pos0, kt, nk, kvh, kv_s, nkv_s, rows, slot_s);
@@ -1626,7 +1644,7 @@ __device__ __noinline__ void fv2_attention_item(const FusedParams& p, const Fuse
         fv2_sync();  // kv_s is reloaded by the next tile; acc/m/l complete
     }
     fused_prof_add(5, ta);
-    ta = clock64();
+    ta = fused_clock();
     // Output: one split writes act16 directly; several write partials [row][head][split][hd + 2] and the
     // last to arrive combines them in split order.
     if (splits == 1) {
@@ -1653,7 +1671,7 @@ __device__ __noinline__ void fv2_attention_item(const FusedParams& p, const Fuse
     fv2_sync();
     fused_prof_add(8, ta);
     if (!last_s) return;
-    ta = clock64();
+    ta = fused_clock();
     __threadfence();
     for (int i = tid; i < QV * hd; i += FUSED_THREADS) {
         const int qv = i / hd, d = i % hd;
@@ -1708,7 +1726,7 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
     }
     if (threadIdx.x < FUSED_PROF_SLOTS) fused_prof[threadIdx.x] = 0;
     if (threadIdx.x == 0) fused_prof_on = (flags & FUSED_PROFILE) != 0;
-    const long long t_kernel = clock64();
+    const long long t_kernel = fused_clock();
     __syncthreads();  // all FV2_THREADS
     const FusedParams& p = P;
     unsigned long long* ctr = reinterpret_cast<unsigned long long*>(p.barrier);
@@ -1782,10 +1800,10 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
         // Q: QKV tiles, attention norm while staging.
         fused_tile_range(width, &t0, &t1);
         if (t0 < t1) {
-            t = clock64();
+            t = fused_clock();
             if (l > 0) fv2_wait(FV2_CTR(l - 1, 4), target);
             fused_prof_add(11, t);
-            t = clock64();
+            t = fused_clock();
             if (work) {
                 const Fv2Gemm g = {width, h, rows, l == 0 ? FV2_SRC_EMBED_NORM : FV2_SRC_NORM, 0, p.x, 0,
                                    L.attn_norm, p.embed, p.tokens, FV2_OUT_PLAIN, p.qkv, 0, 0, 0};
@@ -1798,7 +1816,7 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
         {
             bool waited = false;
             const int first = (int)gridDim.x - 1 - (int)blockIdx.x;
-            t = clock64();
+            t = fused_clock();
             for (int item = first; item < sq.items; item += gridDim.x) {
                 int s, kvh, split;
                 fv2_attention_coords(p, sq, item, &s, &kvh, &split);
@@ -1816,10 +1834,10 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
         // O: O-projection tiles, x += (layer 0: x = embedding + ...).
         fused_tile_range(h, &t0, &t1);
         if (t0 < t1) {
-            t = clock64();
+            t = fused_clock();
             fv2_wait(FV2_CTR(l, 1), target);
             fused_prof_add(14, t);
-            t = clock64();
+            t = fused_clock();
             if (work) {
                 const Fv2Gemm g = {h, qd, rows, FV2_SRC_BF16, p.act16, 0, 0, 0, 0, 0, FV2_OUT_ACC, p.x, 0, L.bo,
                                    l == 0 ? p.embed : 0};
@@ -1831,10 +1849,10 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
         // G: gate/up tiles, FFN norm while staging, SwiGLU.
         fused_tile_range(2 * p.ffn, &t0, &t1);
         if (t0 < t1) {
-            t = clock64();
+            t = fused_clock();
             fv2_wait(FV2_CTR(l, 2), target);
             fused_prof_add(16, t);
-            t = clock64();
+            t = fused_clock();
             if (work) {
                 const Fv2Gemm g = {2 * p.ffn, h, rows, FV2_SRC_NORM, 0, p.x, 0, L.ffn_norm, 0, 0, FV2_OUT_SWIGLU, 0,
                                    p.ffn_act16, 0, 0};
@@ -1846,10 +1864,10 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
         // D: down tiles, x += (+ tapped-layer copies).
         fused_tile_range(h, &t0, &t1);
         if (t0 < t1) {
-            t = clock64();
+            t = fused_clock();
             fv2_wait(FV2_CTR(l, 3), target);
             fused_prof_add(17, t);
-            t = clock64();
+            t = fused_clock();
             if (work) {
                 const Fv2Gemm g = {h, p.ffn, rows, FV2_SRC_BF16, p.ffn_act16, 0, 0, 0, 0, 0, FV2_OUT_ACC, p.x, 0, 0, 0};
                 fv2_gemm<NT>(p, ring, g, scratch, ring_offset, tp, l, t0, t1);
@@ -1862,10 +1880,10 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
         int t0, t1;
         fused_tile_range(p.vocab, &t0, &t1);
         if (t0 < t1) {
-            t = clock64();
+            t = fused_clock();
             fv2_wait(FV2_CTR(p.n_layers - 1, 4), target);
             fused_prof_add(19, t);
-            t = clock64();
+            t = fused_clock();
             if (work) {
                 const Fv2Gemm g = {p.vocab, h, n_logits, FV2_SRC_NORM, 0, p.x, p.logit_rows, p.final_norm, 0, 0,
                                    FV2_OUT_PLAIN, p.logits, 0, 0, 0};

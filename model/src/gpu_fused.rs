@@ -28,7 +28,9 @@ use crate::ModelError;
 use cudarc::driver::{
     sys, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
 };
-use specula_kernels::cuda::{co_resident_grid, launch, launch_with, KernelArg, LaunchOptions};
+use specula_kernels::cuda::{
+    co_resident_grid, launch, launch_with, KernelArg, LaunchOptions, FUSED_PROFILING_SOURCE,
+};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -338,6 +340,9 @@ pub struct FusedInfo {
 /// The compiled kernel and its device-side parameters for one `GpuTransformer`.
 struct FusedStep {
     module: Arc<CudaModule>,
+    /// The same program with the in-kernel profile compiled in (`FUSED_PROFILING_SOURCE`), compiled
+    /// at the first `FusedMode::Profile`; its kernels run only in that mode.
+    prof_module: Option<Arc<CudaModule>>,
     /// The entry point for `FusedOptions::ctas_per_sm`.
     func: CudaFunction,
     /// `FusedParams` (device addresses and sizes), read by every CTA at kernel start.
@@ -753,19 +758,34 @@ impl FusedStep {
             ));
         }
         let module = t.device.load_source("fused_step.cu").map_err(gpu)?;
-        Self::configure(t, opts, module)
+        let prof_module = match opts.mode {
+            FusedMode::Profile => Some(t.device.load_source(FUSED_PROFILING_SOURCE).map_err(gpu)?),
+            _ => None,
+        };
+        Self::configure(t, opts, module, prof_module)
     }
 
-    /// The launch shape and the device-side parameters for `opts`, on an already compiled kernel.
+    /// The launch shape and the device-side parameters for `opts`, on an already compiled kernel
+    /// (`prof_module`'s in `FusedMode::Profile`, which needs it).
     fn configure(
         t: &GpuTransformer,
         opts: &FusedOptions,
         module: Arc<CudaModule>,
+        prof_module: Option<Arc<CudaModule>>,
     ) -> Result<FusedStep, ModelError> {
         let c = &t.config;
         let s = t.device.stream.clone();
         let kernel = kernel_for(opts.ctas_per_sm)?;
-        let func = module.load_function(kernel).map_err(gpu)?;
+        let active = match (opts.mode, &prof_module) {
+            (FusedMode::Profile, Some(m)) => m.clone(),
+            (FusedMode::Profile, None) => {
+                return Err(ModelError::Gpu(
+                    "fused step: FusedMode::Profile needs the profiling build of the kernel".into(),
+                ))
+            }
+            _ => module.clone(),
+        };
+        let func = active.load_function(kernel).map_err(gpu)?;
         let static_smem = func.shared_size_bytes().map_err(gpu)? as usize;
         let attribute = |a| t.device.ctx.attribute(a).map(|v| v as usize).map_err(gpu);
         let smem_limit = attribute(
@@ -872,7 +892,7 @@ impl FusedStep {
             Some(DataflowStep::configure(
                 t,
                 opts,
-                &module,
+                &active,
                 &p,
                 smem_limit.min(per_sm - 1024),
             )?)
@@ -882,6 +902,7 @@ impl FusedStep {
         s.synchronize().map_err(gpu)?;
         Ok(FusedStep {
             module,
+            prof_module,
             func,
             params,
             _layers: layers,
@@ -1033,12 +1054,25 @@ impl GpuTransformer {
         self.fused.backend
     }
 
-    /// Changes the fused kernel's launch settings (no recompilation) and drops its captured graphs.
+    /// Changes the fused kernel's launch settings and drops its captured graphs. No recompilation,
+    /// except that the first `FusedMode::Profile` compiles the kernel's profiling build (seconds).
     pub fn set_fused_options(&mut self, opts: FusedOptions) -> Result<(), ModelError> {
         // Fused graphs point at the old parameters (freed in stream order below).
         self.graphs.retain(|key, _| !key.4);
         if let Some(old) = self.fused.step.take() {
-            let configured = FusedStep::configure(self, &opts, old.module.clone());
+            let prof_module = match (&old.prof_module, opts.mode) {
+                (None, FusedMode::Profile) => {
+                    match self.device.load_source(FUSED_PROFILING_SOURCE) {
+                        Ok(m) => Some(m),
+                        Err(e) => {
+                            self.fused.step = Some(old);
+                            return Err(gpu(e));
+                        }
+                    }
+                }
+                (m, _) => m.clone(),
+            };
+            let configured = FusedStep::configure(self, &opts, old.module.clone(), prof_module);
             match configured {
                 Ok(step) => self.fused.step = Some(step),
                 Err(e) => {

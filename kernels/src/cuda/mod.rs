@@ -42,7 +42,21 @@ pub const KERNEL_SOURCES: &[(&str, &str)] = &[
             include_str!("../../cuda/fused_step.cu")
         ),
     ),
+    // The same program with the in-kernel profile compiled in, for `FusedMode::Profile` only: the
+    // clock reads and counter updates cost the fused step a few percent even when unused (NOTES v0.16).
+    (
+        FUSED_PROFILING_SOURCE,
+        concat!(
+            "#define FUSED_PROFILING 1\n",
+            include_str!("../../cuda/decoder.cu"),
+            "\n",
+            include_str!("../../cuda/fused_step.cu")
+        ),
+    ),
 ];
+
+/// The fused step's program with the in-kernel profile compiled in (`FUSED_PROFILING` 1).
+pub const FUSED_PROFILING_SOURCE: &str = "fused_step_prof.cu";
 
 /// Development knob for A/B runs of fused-step versions in one device call (a GPU machine has no
 /// cargo, so the versions cannot be rebuilt there): when set to a file, that file replaces
@@ -63,6 +77,14 @@ const SOURCE_OVERRIDES: &[(&str, &str, &str)] = &[
         include_str!("../../cuda/decoder.cu"),
     ),
     (
+        FUSED_PROFILING_SOURCE,
+        FUSED_SOURCE_ENV,
+        concat!(
+            "#define FUSED_PROFILING 1\n",
+            include_str!("../../cuda/decoder.cu")
+        ),
+    ),
+    (
         "dspark.cu",
         DSPARK_SOURCE_ENV,
         include_str!("../../cuda/sampling.cu"),
@@ -75,6 +97,7 @@ pub const EXPORTED_KERNELS: &[(&str, &[&str])] = &[
     ("sampling.cu", sampling::SAMPLING_KERNELS),
     ("dspark.cu", dspark::DSPARK_KERNELS),
     ("fused_step.cu", FUSED_KERNELS),
+    (FUSED_PROFILING_SOURCE, FUSED_KERNELS),
 ];
 
 /// The kernels `fused_step.cu` must export (its program also holds every kernel of decoder.cu).
