@@ -829,8 +829,27 @@ fn bench(args: BenchArgs) -> Result<()> {
     let mut gpu = GpuTransformer::random(config.clone(), args.seed, opts)?;
     println!("GPU {} ({})", gpu.device.name, gpu.device.arch);
     if args.tune {
-        // As `specula bench step`: the standard step's GEMM backend per shape, measured.
-        gpu.tune_linear_layers(&[8, 16, 32, 64], 20)?;
+        // As `specula bench step`: the standard step's GEMM backend per shape, measured. The choices
+        // are timing-based, so they are printed: two runs of session 13 gave the standard step 4%
+        // faster and 6e-3 different logits without any other change (NOTES v0.16).
+        let choices = gpu.tune_linear_layers(&[8, 16, 32, 64], 20)?;
+        println!("standard step GEMMs (rows x cols @ activation rows: chosen, cuBLAS us, skinny us by K splits):");
+        for c in &choices {
+            let skinny: Vec<String> = c
+                .skinny_us
+                .iter()
+                .map(|(k, us)| format!("{k}: {us:.1}"))
+                .collect();
+            println!(
+                "  {} x {} @ {}: {:?}, cuBLAS {:.1}, skinny {}",
+                c.rows,
+                c.cols,
+                c.tokens,
+                c.backend,
+                c.cublas_us,
+                skinny.join(", ")
+            );
+        }
     }
     gpu.set_step_backend(StepBackend::LatencySpecialized)?;
     let info = gpu
