@@ -12,6 +12,8 @@ list=(
   "noprof FUSED_PROFILING=0"
   "claim claim"
   "attn_vb attn_vb"
+  "l2g l2g"
+  "l2g5 l2g FV2_L2G_TILES=5"
   "claim_attn_noprof claim attn_vb FUSED_PROFILING=0"
 )
 for entry in "${list[@]}"; do
