@@ -12,9 +12,10 @@ list=(
   "noprof FUSED_PROFILING=0"
   "claim claim"
   "attn_vb attn_vb"
+  "combine combine"
   "l2g l2g"
   "l2g5 l2g FV2_L2G_TILES=5"
-  "claim_attn_noprof claim attn_vb FUSED_PROFILING=0"
+  "all claim attn_vb combine FUSED_PROFILING=0"
 )
 for entry in "${list[@]}"; do
   read -r -a parts <<< "$entry"
