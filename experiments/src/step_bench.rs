@@ -68,6 +68,15 @@ pub struct LinearChoiceRow {
     pub backend: String,
 }
 
+/// The skinny kernel's tuning times as "splits: us" pairs ("1: 13.6, 2: 17.2").
+pub fn skinny_times(times: &[(u32, f64)]) -> String {
+    times
+        .iter()
+        .map(|(splits, us)| format!("{splits}: {us:.1}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct StepRow {
     /// The step backend asked for (`standard` | `latency_specialized`).
@@ -715,18 +724,13 @@ graph replay = device time per replay, CUDA events around 10 replays queued back
     if !r.linear_choices.is_empty() {
         md.push_str("\nLinear layers (CUDA events, median of 20 launches, each on the next layer's matrix of the shape, so weights come mostly from memory as in a step): backend chosen per shape\n\n| rows x cols | activation rows | cuBLAS us | skinny us by K splits | chosen |\n|---|---:|---:|---|---|\n");
         for c in &r.linear_choices {
-            let skinny: Vec<String> = c
-                .skinny_us
-                .iter()
-                .map(|(s, us)| format!("{s}: {us:.1}"))
-                .collect();
             md.push_str(&format!(
                 "| {} x {} | {} | {:.1} | {} | {} |\n",
                 c.rows,
                 c.cols,
                 c.tokens,
                 c.cublas_us,
-                skinny.join(", "),
+                skinny_times(&c.skinny_us),
                 c.backend
             ));
         }

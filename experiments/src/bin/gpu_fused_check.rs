@@ -49,7 +49,7 @@ use anyhow::{bail, Context, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use specula_experiments::max_relative_error as max_rel;
-use specula_experiments::step_bench::{copy_bandwidth, percentile};
+use specula_experiments::step_bench::{copy_bandwidth, percentile, skinny_times};
 use specula_experiments::tiny_check_config;
 use specula_kernels::sampling::{self, argmax, SamplingParams};
 use specula_model::gpu::fused::{FusedMode, FusedOptions, StepBackend, DATAFLOW_MAX_ROWS};
@@ -835,19 +835,14 @@ fn bench(args: BenchArgs) -> Result<()> {
         let choices = gpu.tune_linear_layers(&[8, 16, 32, 64], 20)?;
         println!("standard step GEMMs (rows x cols @ activation rows: chosen, cuBLAS us, skinny us by K splits):");
         for c in &choices {
-            let skinny: Vec<String> = c
-                .skinny_us
-                .iter()
-                .map(|(k, us)| format!("{k}: {us:.1}"))
-                .collect();
             println!(
-                "  {} x {} @ {}: {:?}, cuBLAS {:.1}, skinny {}",
+                "  {} x {} @ {}: {}, cuBLAS {:.1}, skinny {}",
                 c.rows,
                 c.cols,
                 c.tokens,
-                c.backend,
+                c.backend.name(),
                 c.cublas_us,
-                skinny.join(", ")
+                skinny_times(&c.skinny_us)
             );
         }
     }
