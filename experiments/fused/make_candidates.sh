@@ -2,7 +2,8 @@
 # Builds the candidate kernels that wait in experiments/fused/candidates/ (README there) as .cu files for
 # run_fused_h200.sh's `ab` part, here (the GPU machine may lack `patch`): each is a copy of the shipped
 # kernels/cuda/fused_step.cu with patches applied and `#define` values changed.
-# Usage: experiments/fused/make_candidates.sh [OUT_DIR]   (default .carry/pack/candidates)
+# Usage: experiments/fused/make_candidates.sh [OUT_DIR]   (default .carry/pack/candidates; the timeline
+# kernel goes to OUT_DIR/../timeline.cu)
 # Each line of the list below: NAME, then patches (NAME.patch under candidates/) and DEFINE=VALUE edits.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -33,3 +34,9 @@ for entry in "${list[@]}"; do
   done
   echo "$dst"
 done
+# The timeline kernel (timeline.patch) beside them, not among them (`ab` runs every .cu in OUT_DIR): the
+# `timeline` part of run_fused_h200.sh runs it.
+timeline=$(dirname "$out")/timeline.cu
+cp "$root/kernels/cuda/fused_step.cu" "$timeline"
+patch -s --no-backup-if-mismatch "$timeline" < "$root/experiments/fused/timeline.patch"
+echo "$timeline"

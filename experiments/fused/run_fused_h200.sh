@@ -25,8 +25,9 @@
 # candidate, then `gpu_fused_check --quick` for every candidate (AB_CHECK=0: benches only; the bench
 # itself compares each kernel's logits with the standard step's at every shape); logs in $OUT/ab/, a summary table in
 # $OUT/ab/summary.txt). Make the candidates here, where `patch` is known to exist:
-#   mkdir -p .carry/pack/candidates; for p in experiments/fused/candidates/*.patch; do
-#     c=.carry/pack/candidates/$(basename "$p" .patch).cu; cp kernels/cuda/fused_step.cu "$c"; patch -s "$c" < "$p"; done
+# experiments/fused/make_candidates.sh (its list says which patches and #define edits make each).
+# timeline (the one-layer timeline kernel, .carry/pack/timeline.cu from make_candidates.sh, through
+# SPECULA_FUSED_STEP_CU; its table by timeline_table.py in $OUT/timeline.txt).
 # step/shapes/e2e results go into $OUT/bench.tgz (the device tool returns at most 8 files). Extra
 # arguments after the parts go to every gpu_fused_check call (e.g. --no-cooperative).
 set -uo pipefail
@@ -100,6 +101,17 @@ for f in sorted(glob.glob(os.path.join(d, "check_*.txt"))):
     print(os.path.basename(f)[6:-4] + ": " + "; ".join(tail))
 PY
   cat "$out/ab/summary.txt"
+fi
+if has timeline; then
+  # The one-layer timeline (timeline.patch, made by make_candidates.sh), then its table.
+  tl=${TIMELINE_CU:-.carry/pack/timeline.cu}
+  if [ -f "$tl" ]; then
+    tl=$(cd "$(dirname "$tl")" && pwd)/$(basename "$tl")
+    { header; SPECULA_FUSED_STEP_CU=$tl timeout 200 "$bin/gpu_fused_check" --bench --short --v2-profile; echo "exit $?"; } > "$out/bench_timeline.txt" 2>&1
+    python3 "$(dirname "$0")/timeline_table.py" "$out/bench_timeline.txt" | tee "$out/timeline.txt"
+  else
+    echo "timeline: no $tl (experiments/fused/make_candidates.sh makes it)" | tee "$out/timeline.txt"; status=1
+  fi
 fi
 export SPECULA_DEFAULT_MODELS=${SPECULA_DEFAULT_MODELS:-$PWD/models/default}
 export SPECULA_GIT_REVISION=${SPECULA_GIT_REVISION:-$(cat "$bin/fused.rev" 2>/dev/null)}
