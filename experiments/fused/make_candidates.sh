@@ -11,12 +11,14 @@ out=${1:-$root/.carry/pack/candidates}
 mkdir -p "$out"
 list=(
   "noprof FUSED_PROFILING=0"
-  "claim claim"
-  "attn_vb attn_vb"
   "combine combine"
-  "l2g l2g"
-  "l2g5 l2g FV2_L2G_TILES=5"
-  "all claim attn_vb combine FUSED_PROFILING=0"
+  "attn_vbg attn_vbg"
+  "onepass8 onepass8"
+  "epi epi_swizzle"
+  "ringidx ringidx"
+  "cv combine attn_vbg"
+  "allnew combine attn_vbg onepass8 epi_swizzle ringidx"
+  "allnew_noprof combine attn_vbg onepass8 epi_swizzle ringidx FUSED_PROFILING=0"
 )
 for entry in "${list[@]}"; do
   read -r -a parts <<< "$entry"

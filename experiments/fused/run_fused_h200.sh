@@ -20,7 +20,8 @@
 # engine on both decode backends; needs SPECULA_DEFAULT_MODELS or the repository's models/), step
 # (`specula bench step --backends standard,latency_specialized`, llama3.2-1b), shapes (the same for
 # qwen2.5-coder-1.5b and llama3.1-8b), e2e (`specula bench e2e`, 1 request, synthetic 3.78, k=7),
-# ab (candidate kernels: every NAME.cu under $AB_DIR, default .carry/pack/candidates, loaded through
+# ab (candidate kernels: every NAME.cu under $AB_DIR, default .carry/pack/candidates, or those named in
+# $AB_ONLY (space-separated), loaded through
 # SPECULA_FUSED_STEP_CU: `gpu_fused_check --bench --short --v2-profile` for the shipped kernel and every
 # candidate, then `gpu_fused_check --quick` for every candidate (AB_CHECK=0: benches only; the bench
 # itself compares each kernel's logits with the standard step's at every shape); logs in $OUT/ab/, a summary table in
@@ -72,6 +73,8 @@ if has ab; then
     [ -f "$src" ] || continue
     src=$(cd "$(dirname "$src")" && pwd)/$(basename "$src")
     name=$(basename "$src" .cu)
+    # AB_ONLY="a b": only those candidates (one pack split over several calls of the 600 s limit).
+    if [[ -n ${AB_ONLY:-} && " $AB_ONLY " != *" $name "* ]]; then continue; fi
     { header; SPECULA_FUSED_STEP_CU=$src timeout 200 "$bin/gpu_fused_check" --bench --short --v2-profile; echo "exit $?"; } > "$out/ab/bench_$name.txt" 2>&1
     if [[ ${AB_CHECK:-1} == 1 ]]; then
       { header; SPECULA_FUSED_STEP_CU=$src timeout 300 "$bin/gpu_fused_check" --quick; echo "exit $?"; } > "$out/ab/check_$name.txt" 2>&1
