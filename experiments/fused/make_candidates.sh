@@ -3,7 +3,7 @@
 # run_fused_h200.sh's `ab` part, here (the GPU machine may lack `patch`): each is a copy of the shipped
 # kernels/cuda/fused_step.cu with patches applied and `#define` values changed.
 # Usage: experiments/fused/make_candidates.sh [OUT_DIR]   (default .carry/pack/candidates; the timeline
-# kernel goes to OUT_DIR/../timeline.cu)
+# kernel goes to OUT_DIR/../timeline.cu, the ablation kernels to OUT_DIR/../ablations/)
 # Each line of the list below: NAME, then patches (NAME.patch under candidates/) and DEFINE=VALUE edits.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -20,10 +20,22 @@ list=(
   "allnew combine attn_vbg onepass8 epi_swizzle ringidx"
   "allnew_noprof combine attn_vbg onepass8 epi_swizzle ringidx FUSED_PROFILING=0"
 )
-for entry in "${list[@]}"; do
+# Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
+# are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
+# timeline_table.py can split each bench's step into stages. tl = the timeline kernel alone.
+ablations=(
+  "tl timeline"
+  "tl_nocopy timeline ablation FV2_ABLATE=1"
+  "tl_nomma timeline ablation FV2_ABLATE=2"
+  "tl_skeleton timeline ablation FV2_ABLATE=3"
+)
+# build DIR "NAME ITEM...": a copy of fused_step.cu with each ITEM applied in order (a patch under
+# candidates/ or, failing that, beside this script; or a DEFINE=VALUE edit).
+build() {
+  local dir=$1 entry=$2 parts name dst item key value patch_file
   read -r -a parts <<< "$entry"
   name=${parts[0]}
-  dst=$out/$name.cu
+  dst=$dir/$name.cu
   cp "$root/kernels/cuda/fused_step.cu" "$dst"
   for item in "${parts[@]:1}"; do
     if [[ $item == *=* ]]; then
@@ -31,11 +43,17 @@ for entry in "${list[@]}"; do
       grep -q "^#define $key " "$dst" || { echo "$name: no '#define $key' to change" >&2; exit 1; }
       sed -i "s/^#define $key .*/#define $key $value/" "$dst"
     else
-      patch -s --no-backup-if-mismatch "$dst" < "$root/experiments/fused/candidates/$item.patch"
+      patch_file=$root/experiments/fused/candidates/$item.patch
+      [ -f "$patch_file" ] || patch_file=$root/experiments/fused/$item.patch
+      patch -s --no-backup-if-mismatch "$dst" < "$patch_file"
     fi
   done
   echo "$dst"
-done
+}
+for entry in "${list[@]}"; do build "$out" "$entry"; done
+abl_dir=$(dirname "$out")/ablations
+mkdir -p "$abl_dir"
+for entry in "${ablations[@]}"; do build "$abl_dir" "$entry"; done
 # The timeline kernel (timeline.patch) beside them, not among them (`ab` runs every .cu in OUT_DIR): the
 # `timeline` part of run_fused_h200.sh runs it.
 timeline=$(dirname "$out")/timeline.cu
