@@ -10,8 +10,11 @@ llama3.2-1b shape at 256 cached positions: 72 attention items (8 KV heads x 9 ke
 tiles, 8 combining CTAs. Grid 132 (H200).
 
 Usage: timeline_table.py BENCH_OUTPUT [--grid 132] [--items 72] [--tiles-o 128] [--combiners 8]
+       timeline_table.py BENCH_A BENCH_B ...   (stage times and step medians side by side, e.g. the ablation
+       kernels of make_candidates.sh)
 """
 import argparse
+import os
 import re
 import sys
 
@@ -44,50 +47,95 @@ STAGES = [
 ]
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("bench")
-    ap.add_argument("--grid", type=int, default=132)
-    ap.add_argument("--items", type=int, default=72)
-    ap.add_argument("--tiles-o", type=int, default=128)
-    ap.add_argument("--combiners", type=int, default=8)
-    args = ap.parse_args()
-    counts = {"items": args.items, "tiles_o": args.tiles_o, "combiners": args.combiners}
-    rows = {}
-    header = None
-    for line in open(args.bench):
+def parse(path, grid, counts):
+    """The bench's profile table as {event: (a_mean, a_max, b_mean, b_max)}, its two shapes, and the v2
+    step medians (ms) by shape from the bench table."""
+    rows, header, steps = {}, None, {}
+    for line in open(path):
         if line.startswith("| category |"):
             header = [c.strip() for c in line.strip().strip("|").split("|")]
             continue
         m = re.match(r"^\| (.+?) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", line.strip())
         if header and m:
             rows[m[1]] = [float(m[i]) for i in range(2, 6)]
+        # | b | t | standard (p90) | fused v1 (p90) | fused v2 (p90) | ...
+        m = re.match(r"^\| (\d+) \| (\d+) \| [\d.]+ \([\d.]+\) \| [\d.]+ \([\d.]+\) \| ([\d.]+) \(", line)
+        if m:
+            steps[f"{m[1]} x {m[2]}"] = float(m[3])
     if not rows:
-        sys.exit(f"{args.bench}: no profile table")
+        sys.exit(f"{path}: no profile table")
     shapes = [header[1].replace(" mean", ""), header[3].replace(" mean", "")] if header else ["a", "b"]
     table = {}
-    print(f"| event | {shapes[0]} mean | max | {shapes[1]} mean | max |")
-    print("|---|---:|---:|---:|---:|")
     for prefix, event, dilution in EVENTS:
         name = next((n for n in rows if n.startswith(prefix)), None)
         if name is None:
             continue
         a_mean, a_max, b_mean, b_max = rows[name]
         if dilution:
-            scale = args.grid / counts[dilution]
+            scale = grid / counts[dilution]
             a_mean, b_mean = a_mean * scale, b_mean * scale
         table[event] = (a_mean, a_max, b_mean, b_max)
-        print(f"| {event} | {a_mean:.1f} | {a_max:.1f} | {b_mean:.1f} | {b_max:.1f} |")
+    return table, shapes, steps
+
+
+def stage_times(table):
+    """Critical-path stage durations (max to max) for both shapes: [(stage, a_us, b_us)]."""
+    out = []
+    for stage, start, end in STAGES:
+        if start in table and end in table:
+            out.append((stage, table[end][1] - table[start][1], table[end][3] - table[start][3]))
+    return out
+
+
+def compare(paths, grid, counts):
+    """One column per bench file (e.g. the ablation kernels): the stages of the marked layer and the step."""
+    parsed = [parse(p, grid, counts) for p in paths]
+    names = [os.path.basename(p).removeprefix("bench_").removesuffix(".txt") for p in paths]
+    shapes = parsed[0][1]
+    for k, shape in enumerate(shapes):
+        print(f"\n{shape}, us (stages max to max; layer = their sum; LM head from its counter to done):")
+        print("| stage | " + " | ".join(names) + " |")
+        print("|---|" + "---:|" * len(names))
+        per_file = [dict((st, (a, b)[k]) for st, a, b in stage_times(t)) for t, _, _ in parsed]
+        for stage, _, _ in STAGES:
+            print(f"| {stage} | " + " | ".join(f"{d[stage]:.1f}" if stage in d else "-" for d in per_file) + " |")
+        print("| layer | " + " | ".join(f"{sum(d.values()):.1f}" for d in per_file) + " |")
+        head = []
+        for t, _, _ in parsed:
+            a = t.get("LM head: last layer's counter seen")
+            b = t.get("LM head done")
+            head.append(f"{b[1 + 2 * k] - a[1 + 2 * k]:.1f}" if a and b else "-")
+        print("| LM head | " + " | ".join(head) + " |")
+        step = [steps.get(shape.replace("x", " x ").replace("  ", " ").strip()) for _, _, steps in parsed]
+        print("| step, ms (v2 median) | " + " | ".join(f"{v:.3f}" if v else "-" for v in step) + " |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("bench", nargs="+", help="one bench output, or several to compare side by side")
+    ap.add_argument("--grid", type=int, default=132)
+    ap.add_argument("--items", type=int, default=72)
+    ap.add_argument("--tiles-o", type=int, default=128)
+    ap.add_argument("--combiners", type=int, default=8)
+    args = ap.parse_args()
+    counts = {"items": args.items, "tiles_o": args.tiles_o, "combiners": args.combiners}
+    if len(args.bench) > 1:
+        compare(args.bench, args.grid, counts)
+        return
+    table, shapes, _ = parse(args.bench[0], args.grid, counts)
+    print(f"| event | {shapes[0]} mean | max | {shapes[1]} mean | max |")
+    print("|---|---:|---:|---:|---:|")
+    for _, event, _ in EVENTS:
+        if event in table:
+            a_mean, a_max, b_mean, b_max = table[event]
+            print(f"| {event} | {a_mean:.1f} | {a_max:.1f} | {b_mean:.1f} | {b_max:.1f} |")
     print(f"\n| stage (max to max) | {shapes[0]} us | {shapes[1]} us |")
     print("|---|---:|---:|")
     total = [0.0, 0.0]
-    for stage, start, end in STAGES:
-        if start in table and end in table:
-            a = table[end][1] - table[start][1]
-            b = table[end][3] - table[start][3]
-            total[0] += a
-            total[1] += b
-            print(f"| {stage} | {a:.1f} | {b:.1f} |")
+    for stage, a, b in stage_times(table):
+        total[0] += a
+        total[1] += b
+        print(f"| {stage} | {a:.1f} | {b:.1f} |")
     print(f"| layer | {total[0]:.1f} | {total[1]:.1f} |")
 
 
