@@ -29,6 +29,7 @@ ablations=(
   "tl_nocopy timeline ablation FV2_ABLATE=1"
   "tl_nomma timeline ablation FV2_ABLATE=2"
   "tl_skeleton timeline ablation FV2_ABLATE=3"
+  "tl_stream timeline ablation FV2_ABLATE=6"
 )
 # build DIR "NAME ITEM...": a copy of fused_step.cu with each ITEM applied in order (a patch under
 # candidates/ or, failing that, beside this script; or a DEFINE=VALUE edit).
