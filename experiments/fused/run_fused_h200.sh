@@ -4,7 +4,8 @@
 # then the fused-vs-standard-vs-CPU check, then the timing table. Logs go to $OUT (one file per part,
 # written as it runs, so a cut-off call keeps what it produced).
 #
-# The GPU machine has no cargo: build here, then carry the stripped binaries (.carry/ is gitignored):
+# The GPU machine has no cargo: build here, then carry the stripped binaries (.carry/ is gitignored).
+# experiments/fused/pack.sh does all of the following, packing included, and makes the candidates:
 #   cargo build --release --features cuda --bin specula
 #   cargo build --release -p specula-experiments --features cuda --bin gpu_fused_check --bin gpu_forward_check --bin gpu_e2e_check
 #   mkdir -p .carry/bin
