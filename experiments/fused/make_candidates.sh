@@ -18,9 +18,11 @@ list=(
   "ringidx ringidx"
   "wrot wrot"
   "dpart dpart"
+  "qpart qpart"
+  "parts dpart qpart"
   "cv combine attn_vbg"
-  "allnew combine attn_vbg onepass8 epi_swizzle ringidx wrot dpart"
-  "allnew_noprof combine attn_vbg onepass8 epi_swizzle ringidx wrot dpart FUSED_PROFILING=0"
+  "allnew combine attn_vbg onepass8 epi_swizzle ringidx wrot dpart qpart"
+  "allnew_noprof combine attn_vbg onepass8 epi_swizzle ringidx wrot dpart qpart FUSED_PROFILING=0"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
