@@ -20,6 +20,8 @@ list=(
   "dpart dpart"
   "qpart qpart"
   "parts dpart qpart"
+  "rgroup rgroup"
+  "rgroup16 rgroup FV2_ATT_VECS=16"
   "cv combine attn_vbg"
   "allnew combine attn_vbg onepass8 epi_swizzle ringidx wrot dpart qpart"
   "allnew_noprof combine attn_vbg onepass8 epi_swizzle ringidx wrot dpart qpart FUSED_PROFILING=0"
