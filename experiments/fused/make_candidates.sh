@@ -23,8 +23,9 @@ list=(
   "rgroup rgroup"
   "rgroup16 rgroup FV2_ATT_VECS=16"
   "cv combine attn_vbg"
-  "allnew combine attn_vbg onepass8 epi_swizzle ringidx wrot dpart qpart"
-  "allnew_noprof combine attn_vbg onepass8 epi_swizzle ringidx wrot dpart qpart FUSED_PROFILING=0"
+  "structural rgroup dpart qpart_on_rgroup"
+  "allnew rgroup dpart qpart_on_rgroup combine_on_rgroup onepass8 wrot epi_swizzle ringidx"
+  "allnew_noprof rgroup dpart qpart_on_rgroup combine_on_rgroup onepass8 wrot epi_swizzle ringidx FUSED_PROFILING=0"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
