@@ -10,22 +10,15 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${1:-$root/.carry/pack/candidates}
 mkdir -p "$out"
 list=(
-  "noprof FUSED_PROFILING=0"
   "combine combine"
   "attn_vbg attn_vbg"
   "onepass8 onepass8"
   "epi epi_swizzle"
   "ringidx ringidx"
-  "wrot wrot"
-  "dpart dpart"
-  "qpart qpart"
-  "parts dpart qpart"
   "rgroup rgroup"
   "rgroup16 rgroup FV2_ATT_VECS=16"
   "cv combine attn_vbg"
-  "structural rgroup dpart qpart_on_rgroup"
-  "allnew rgroup dpart qpart_on_rgroup combine_on_rgroup onepass8 wrot epi_swizzle ringidx"
-  "allnew_noprof rgroup dpart qpart_on_rgroup combine_on_rgroup onepass8 wrot epi_swizzle ringidx FUSED_PROFILING=0"
+  "allnew rgroup combine_on_rgroup onepass8 epi_swizzle ringidx"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
