@@ -159,13 +159,12 @@ static_assert(sizeof(FusedParams) == 20 * 8 + 16 * 4, "FusedParams must match gp
 __shared__ unsigned long long fused_prof[FUSED_PROF_SLOTS];
 __shared__ int fused_prof_on;
 // FUSED_PROFILING = 0 compiles the profile out: fused_clock() is 0 and fused_prof_add nothing. Compiled
-// in, the profile seems to cost a 1 x 1 step 3-4% even with profiling off at run time (NOTES v0.16: the
-// timeline candidate, which kept only a few marks, beat the shipped kernel by 3.2% (v2) and 4.4% (v1)).
-// The host compiles this program a second time with FUSED_PROFILING 1 for FusedMode::Profile
-// (kernels/src/cuda/mod.rs FUSED_PROFILING_SOURCE). The default below stays 1, so the two builds are
-// the same, until an A/B on the H200 confirms the gain (experiments/fused/README.md).
+// in, the profile costs the step 3-5% even with profiling off at run time: the A/B on the H200 ran 1 x 1
+// at 1.287 ms without it against 1.351 with it (v2; NOTES v0.17). So 0 is the default, and the host
+// compiles this program a second time with FUSED_PROFILING 1 for FusedMode::Profile only
+// (kernels/src/cuda/mod.rs FUSED_PROFILING_SOURCE).
 #ifndef FUSED_PROFILING
-#define FUSED_PROFILING 1
+#define FUSED_PROFILING 0
 #endif
 __device__ __forceinline__ long long fused_clock() {
 #if FUSED_PROFILING
