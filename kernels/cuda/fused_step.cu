@@ -160,7 +160,7 @@ __shared__ unsigned long long fused_prof[FUSED_PROF_SLOTS];
 __shared__ int fused_prof_on;
 // FUSED_PROFILING = 0 compiles the profile out: fused_clock() is 0 and fused_prof_add nothing. Compiled
 // in, the profile costs the step 3-5% even with profiling off at run time: the A/B on the H200 ran 1 x 1
-// at 1.287 ms without it against 1.351 with it (v2; NOTES v0.17). So 0 is the default, and the host
+// at 1.287 ms without it against 1.351 with it (v2; NOTES v0.18). So 0 is the default, and the host
 // compiles this program a second time with FUSED_PROFILING 1 for FusedMode::Profile only
 // (kernels/src/cuda/mod.rs FUSED_PROFILING_SOURCE).
 #ifndef FUSED_PROFILING
