@@ -4,17 +4,11 @@
 # then the fused-vs-standard-vs-CPU check, then the timing table. Logs go to $OUT (one file per part,
 # written as it runs, so a cut-off call keeps what it produced).
 #
-# The GPU machine has no cargo: build here, then carry the stripped binaries (.carry/ is gitignored).
-# experiments/fused/pack.sh does all of the following, packing included, and makes the candidates:
-#   cargo build --release --features cuda --bin specula
-#   cargo build --release -p specula-experiments --features cuda --bin gpu_fused_check --bin gpu_forward_check --bin gpu_e2e_check
-#   mkdir -p .carry/bin
-#   for b in specula gpu_fused_check gpu_forward_check gpu_e2e_check; do cp target/release/$b .carry/bin/ && strip .carry/bin/$b; done
-#   echo "$(git rev-parse HEAD)$(git diff --quiet HEAD || echo +dirty)" > .carry/bin/fused.rev
-# (the working tree plus the carry must stay under 64 MiB: with all four binaries, pack them,
-#  `tar -cJf .carry/pack/bin.tar.xz -C .carry bin`, carry .carry/pack and unpack first), then with the
-# device tool (this script is tracked, so it travels with the working tree):
-#   run(command="bash experiments/fused/run_fused_h200.sh check,bench,engine,step,e2e", carry=[".carry/bin"], timeout_s=600)
+# The GPU machine has no cargo: build here with experiments/fused/pack.sh (the stripped binaries and the
+# candidate kernels, packed under .carry/pack, which is gitignored), then with the device tool (this script
+# is tracked, so it travels with the working tree):
+#   run(command="mkdir -p .carry && tar -xJf .carry/pack/bin.tar.xz -C .carry && bash experiments/fused/run_fused_h200.sh check,bench,engine,step,e2e",
+#       carry=[".carry/pack"], timeout_s=600)
 # Parts: forward (gpu_forward_check --quick), check (gpu_fused_check --quick: parity, then the distribution
 # test of speculative sampling through both backends), check-full (without
 # --quick), bench (gpu_fused_check --bench, with the in-kernel profile), engine (gpu_e2e_check: the
