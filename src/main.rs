@@ -104,6 +104,10 @@ struct E2eBenchArgs {
     /// Skip timing cuBLAS against the skinny kernel for the target's linear layers.
     #[arg(long)]
     no_tune: bool,
+    /// Which step shapes latency_specialized runs fused: measured (those whose first step timed
+    /// faster fused, as the engine does by default) or all (every shape the kernel takes).
+    #[arg(long, default_value = "measured")]
+    specialized_shapes: String,
     #[arg(long, default_value = "experiments/results/e2e_bench")]
     out: PathBuf,
 }
@@ -253,7 +257,10 @@ struct ServeArgs {
     /// Speculative configuration JSON (serving engines' shape).
     #[arg(long)]
     speculative_config: Option<String>,
-    /// '{"decode_backend": "standard"|"latency_specialized"}'.
+    /// '{"decode_backend": "standard"|"latency_specialized", "specialized_shapes":
+    /// "measured"|"all"}': latency_specialized runs the fused verify kernel (GPU, sm_90+) on the
+    /// step shapes measured faster with it (or on all it takes); other steps run standard, counted
+    /// by reason in /metrics.
     #[arg(long)]
     additional_config: Option<String>,
     #[command(flatten)]
@@ -353,8 +360,10 @@ struct GenerateArgs {
     spec: SpecArgs,
     #[command(flatten)]
     device: DeviceArgs,
-    /// '{"decode_backend": "standard"|"latency_specialized"}'. latency_specialized is not built
-    /// yet: every step runs standard, counted by reason in the run stats (--json: run.decode_backend_fallbacks).
+    /// '{"decode_backend": "standard"|"latency_specialized", "specialized_shapes":
+    /// "measured"|"all"}': latency_specialized runs the fused verify kernel (GPU, sm_90+) on the
+    /// step shapes measured faster with it (or on all it takes); other steps run standard, counted
+    /// by reason in the run stats (--json: run.decode_backend_fallbacks).
     #[arg(long)]
     additional_config: Option<String>,
 }
@@ -535,6 +544,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         &TargetOptions {
             max_running: 1,
             max_positions: a.device.gpu_max_context,
+            specialized_shapes: additional.specialized_shapes,
             ..TargetOptions::default()
         },
     )?;
@@ -914,7 +924,7 @@ fn cmd_bench_step(_: StepBenchArgs) -> Result<()> {
 
 /// The configuration of `specula bench e2e`, checked (no GPU needed for that).
 fn e2e_bench_config(a: E2eBenchArgs) -> Result<specula_experiments::e2e_bench::E2eBenchConfig> {
-    use specula_experiments::e2e_bench::{parse_backend, E2eBenchConfig};
+    use specula_experiments::e2e_bench::{parse_backend, parse_specialized_shapes, E2eBenchConfig};
     let cfg = E2eBenchConfig {
         random_weights: a.random_weights,
         seed: a.seed,
@@ -935,6 +945,8 @@ fn e2e_bench_config(a: E2eBenchArgs) -> Result<specula_experiments::e2e_bench::E
         runs: a.runs,
         temperature: a.temperature,
         tune: !a.no_tune,
+        specialized_shapes: parse_specialized_shapes(&a.specialized_shapes)
+            .map_err(|e| anyhow::anyhow!("--specialized-shapes: {e}"))?,
         out_dir: a.out,
     };
     cfg.validate().map_err(anyhow::Error::msg)?;

@@ -201,12 +201,38 @@ impl DecodeBackend {
     }
 }
 
+/// Which step shapes `latency_specialized` runs on the fused kernel
+/// (`--additional-config '{"specialized_shapes": ...}'`; the fused kernel is slower than the
+/// standard step at some shapes, e.g. several tokens per sequence).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SpecializedShapes {
+    /// Those measured faster fused: the first step of each shape times both paths on the device
+    /// and keeps the faster; the shapes that lost count as `measured_slower` fallbacks. Selecting
+    /// the backend then never costs a shape speed, as far as that measurement tells.
+    #[default]
+    Measured,
+    /// Every shape the fused kernel takes (what parity checks and `bench step` use).
+    All,
+}
+
+impl SpecializedShapes {
+    pub fn name(self) -> &'static str {
+        match self {
+            SpecializedShapes::Measured => "measured",
+            SpecializedShapes::All => "all",
+        }
+    }
+}
+
 /// `--additional-config` JSON (the serving engines' extra settings).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AdditionalConfig {
     #[serde(default)]
     pub decode_backend: DecodeBackend,
+    #[serde(default)]
+    pub specialized_shapes: SpecializedShapes,
 }
 
 impl AdditionalConfig {
@@ -289,6 +315,20 @@ mod tests {
         );
         let e = AdditionalConfig::from_json(r#"{"decode_backend": "turbo"}"#).unwrap_err();
         assert!(e.to_string().contains("--additional-config"), "{e}");
+        assert_eq!(
+            AdditionalConfig::from_json("{}")
+                .unwrap()
+                .specialized_shapes,
+            SpecializedShapes::Measured
+        );
+        let all = AdditionalConfig::from_json(
+            r#"{"decode_backend": "latency_specialized", "specialized_shapes": "all"}"#,
+        )
+        .unwrap();
+        assert_eq!(all.specialized_shapes, SpecializedShapes::All);
+        assert_eq!(all.specialized_shapes.name(), "all");
+        let e = AdditionalConfig::from_json(r#"{"specialized_shapes": "some"}"#).unwrap_err();
+        assert!(e.to_string().contains("some"), "{e}");
         assert!(AdditionalConfig::from_json(r#"{"decode_backnd": "standard"}"#).is_err());
         assert!(AdditionalConfig::from_json("not json").is_err());
         assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu);

@@ -23,7 +23,7 @@
 //! runs with the request's ChaCha8 stream instead (the reference behaviour; slower for large
 //! vocabularies, because k + 1 full rows per sequence cross the bus every step).
 
-use crate::config::DecodeBackend;
+use crate::config::{DecodeBackend, SpecializedShapes};
 use crate::scheduler::MAX_DRAFT_TOKENS;
 use crate::target::{verify_on_host, TargetBackend, TargetOptions, TargetStep, VerifyJob};
 use crate::EngineError;
@@ -32,7 +32,7 @@ use specula_kernels::cuda::sampling::{
     DraftRows, GpuRule, GpuSampler, GpuSamplingError, VerifyBatch, VerifyFailure, VerifyOutput,
 };
 use specula_kernels::sampling::SamplingParams;
-use specula_model::gpu::fused::{supports_model, StepBackend, DEVICE_UNSUPPORTED};
+use specula_model::gpu::fused::{supports_model, FusedShapes, StepBackend, DEVICE_UNSUPPORTED};
 use specula_model::gpu::{GpuOptions, GpuSeqInput, GpuTransformer};
 use specula_model::{ForwardOutput, ModelConfig, SeqId, SeqInput, Transformer};
 use specula_verifier::{AcceptanceRule, VerifyOutcome};
@@ -571,6 +571,10 @@ impl GpuTarget {
         let vocab = model.config().vocab_size;
         let mut gpu = model;
         gpu.reserve_tapped_layers(opts.tapped_layers)?;
+        gpu.set_fused_shapes(match opts.specialized_shapes {
+            SpecializedShapes::Measured => FusedShapes::Measured,
+            SpecializedShapes::All => FusedShapes::All,
+        });
         let device = format!("cuda ({}, {})", gpu.device.name, gpu.device.arch);
         let verify = if opts.verify_on_device {
             Some(VerifyBuffers::new(&gpu.device.stream, max_running, vocab)?)

@@ -12,7 +12,10 @@ pub mod speculative;
 pub mod stats;
 pub mod target;
 
-pub use config::{AdditionalConfig, DecodeBackend, Device, SpeculativeConfig, SpeculativeMethod};
+pub use config::{
+    AdditionalConfig, DecodeBackend, Device, SpecializedShapes, SpeculativeConfig,
+    SpeculativeMethod,
+};
 pub use drafter_factory::{build_drafter, build_drafter_on, DrafterDevice};
 pub use generate::{generate, FinishReason, GenerationOutput, GenerationRequest};
 pub use golden::{GoldenAcceptance, GOLDEN_FORMAT};

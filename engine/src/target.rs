@@ -289,6 +289,8 @@ pub struct TargetOptions {
     /// GPU only: apply the acceptance rules on the device (the GPU sampling kernels, one readback
     /// per step; the default) or on the host from logits copied back.
     pub verify_on_device: bool,
+    /// GPU only: which step shapes the `latency_specialized` backend runs on the fused kernel.
+    pub specialized_shapes: crate::SpecializedShapes,
 }
 
 impl Default for TargetOptions {
@@ -299,6 +301,7 @@ impl Default for TargetOptions {
             tapped_layers: 0,
             max_positions: 4096,
             verify_on_device: true,
+            specialized_shapes: crate::SpecializedShapes::default(),
         }
     }
 }

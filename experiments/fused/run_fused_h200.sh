@@ -14,7 +14,8 @@
 # --quick), bench (gpu_fused_check --bench, with the in-kernel profile), engine (gpu_e2e_check: the
 # engine on both decode backends; needs SPECULA_DEFAULT_MODELS or the repository's models/), step
 # (`specula bench step --backends standard,latency_specialized`, llama3.2-1b), shapes (the same for
-# qwen2.5-coder-1.5b and llama3.1-8b), e2e (`specula bench e2e`, 1 request, synthetic 3.78, k=7),
+# qwen2.5-coder-1.5b and llama3.1-8b), e2e (`specula bench e2e`, 1 request, synthetic 3.78, k=7, once per
+# latency_specialized shape policy in $E2E_SHAPES, default "measured all"),
 # ab (candidate kernels: every NAME.cu under $AB_DIR, default .carry/pack/candidates, or those named in
 # $AB_ONLY (space-separated), loaded through
 # SPECULA_FUSED_STEP_CU: `gpu_fused_check --bench --short --v2-profile` for the shipped kernel and every
@@ -127,6 +128,11 @@ if has shapes; then
   timeout 300 "$bin/specula" bench step --random-weights llama3.1-8b --backends standard,latency_specialized --steps 32 --out "$res" 2>&1 | tee "$res/step_l8.txt" | tail -14; pack
 fi
 if has e2e; then
-  timeout 200 "$bin/specula" bench e2e --random-weights llama3.2-1b --backends standard,latency_specialized --drafter draft-random --requests 1 --k 7 --acceptance-length 3.78 --out "$res" 2>&1 | tee "$res/e2e_llama3.2-1b.txt" | tail -6; pack
+  # Both of latency_specialized's shape policies: measured (the engine's default: fused only where its
+  # first step timed faster) and all (every shape the kernel takes).
+  for shapes in ${E2E_SHAPES:-measured all}; do
+    mkdir -p "$res/e2e_$shapes"
+    timeout 200 "$bin/specula" bench e2e --random-weights llama3.2-1b --backends standard,latency_specialized --specialized-shapes "$shapes" --drafter draft-random --requests 1 --k 7 --acceptance-length 3.78 --out "$res/e2e_$shapes" 2>&1 | tee "$res/e2e_$shapes/e2e_llama3.2-1b.txt" | tail -6; pack
+  done
 fi
 exit $status

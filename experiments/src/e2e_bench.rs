@@ -32,7 +32,7 @@
 //! `RunStats`) are taken by nearest rank over every request of every timed run.
 
 use serde::Serialize;
-use specula_engine::DecodeBackend;
+use specula_engine::{DecodeBackend, SpecializedShapes};
 use specula_model::ModelConfig;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -85,6 +85,17 @@ pub fn parse_backend(s: &str) -> Result<DecodeBackend, String> {
     }
 }
 
+/// `--specialized-shapes`: `measured` or `all`.
+pub fn parse_specialized_shapes(s: &str) -> Result<SpecializedShapes, String> {
+    match s {
+        "measured" => Ok(SpecializedShapes::Measured),
+        "all" => Ok(SpecializedShapes::All),
+        other => Err(format!(
+            "unknown specialized shapes {other:?} (measured, all)"
+        )),
+    }
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct E2eBenchConfig {
     /// The `--random-weights` preset of the target (e.g. `llama3.2-1b`).
@@ -112,6 +123,8 @@ pub struct E2eBenchConfig {
     /// Time cuBLAS against the skinny kernel per linear shape of the target (as `bench step` does)
     /// and use the faster; the draft model is not tuned (it runs as the engine builds it).
     pub tune: bool,
+    /// Which shapes `latency_specialized` runs fused (`--additional-config`'s `specialized_shapes`).
+    pub specialized_shapes: SpecializedShapes,
     pub out_dir: PathBuf,
 }
 
@@ -446,9 +459,27 @@ pub struct E2eBenchReport {
     pub fused_kernel: Option<String>,
     /// Why CUDA graphs were switched off, if a capture failed.
     pub graph_error: Option<String>,
+    /// With `specialized_shapes` measured: each step shape's timing of both paths (taken at its
+    /// first step, in the warm-up) and whether it runs fused.
+    pub shape_timings: Vec<E2eShapeTiming>,
     pub config: E2eBenchConfig,
     pub backends: Vec<E2eBackendSummary>,
     pub speedup_latency_specialized_vs_standard: Option<E2eSpeedup>,
+}
+
+/// One step shape as `specialized_shapes` measured timed it: decode-only device time per step of
+/// each path (medians of interleaved samples; graph replays where the shape has a graph).
+#[derive(Debug, Clone, Serialize)]
+pub struct E2eShapeTiming {
+    /// Sequences launched (a graph bucket's padded ones included).
+    pub sequences: usize,
+    /// Most new tokens (rows) of one sequence, and most logits rows.
+    pub tokens: usize,
+    pub logits: usize,
+    pub tapped_layers: usize,
+    pub fused_ms: f64,
+    pub standard_ms: f64,
+    pub runs_fused: bool,
 }
 
 pub const METRIC: &str = "per-user decode tokens/s (GenerationStats::decode_tokens_per_s: (generated tokens - 1) / (last token time - first token time); prefill excluded), median and P90 (10th percentile of speed) by nearest rank over every request of every timed run";
@@ -504,6 +535,29 @@ per backend one warm-up run plus one short run per smaller draft count (graph ca
     }
     if let Some(f) = &r.fused_kernel {
         md.push_str(&format!("Fused kernel: {f}.\n\n"));
+    }
+    md.push_str(&format!(
+        "latency_specialized shapes: {}.\n\n",
+        match c.specialized_shapes {
+            SpecializedShapes::Measured => "measured (a step shape runs the fused kernel only where its first step timed it faster than the standard step; the shapes that lost count as `measured_slower` fallbacks)",
+            SpecializedShapes::All => "all (every step shape the fused kernel takes runs it)",
+        }
+    ));
+    if !r.shape_timings.is_empty() {
+        md.push_str("Step shapes as timed at their first step (decode-only device time per step, not end to end):\n\n| sequences | tokens each | logits each | fused ms | standard ms | fused / standard | runs |\n|---:|---:|---:|---:|---:|---:|---|\n");
+        for t in &r.shape_timings {
+            md.push_str(&format!(
+                "| {} | {} | {} | {:.3} | {:.3} | {:.3} | {} |\n",
+                t.sequences,
+                t.tokens,
+                t.logits,
+                t.fused_ms,
+                t.standard_ms,
+                t.fused_ms / t.standard_ms,
+                if t.runs_fused { "fused" } else { "standard" }
+            ));
+        }
+        md.push('\n');
     }
     md.push_str("| backend | tok/s per user median | P90 | mean | min | step ms | draft ms/step | verify ms/step | other ms/step | AL measured | drafted/step | decode steps | specialized steps | fallbacks |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
     for b in &r.backends {
@@ -778,6 +832,7 @@ mod device {
             tapped_layers: 0,
             max_positions,
             verify_on_device: true,
+            specialized_shapes: cfg.specialized_shapes,
         };
         let decode_steps_exact = cfg.requests * cfg.context <= 512;
 
@@ -963,6 +1018,22 @@ mod device {
             tuned_linear_shapes,
             fused_kernel,
             graph_error: target.model().graph_error().map(str::to_string),
+            shape_timings: target
+                .model()
+                .fused_shape_timings()
+                .iter()
+                .map(
+                    |(&(sequences, tokens, logits, tapped_layers), t)| E2eShapeTiming {
+                        sequences,
+                        tokens,
+                        logits,
+                        tapped_layers,
+                        fused_ms: t.fused_ms,
+                        standard_ms: t.standard_ms,
+                        runs_fused: t.fused_wins(),
+                    },
+                )
+                .collect(),
             speedup_latency_specialized_vs_standard: speedup(&backends),
             backends,
             config: cfg,
@@ -1004,6 +1075,7 @@ mod tests {
             runs: 10,
             temperature: 0.0,
             tune: true,
+            specialized_shapes: SpecializedShapes::Measured,
             out_dir: PathBuf::from("unused"),
         }
     }
@@ -1149,6 +1221,15 @@ mod tests {
             tuned_linear_shapes: 12,
             fused_kernel: None,
             graph_error: None,
+            shape_timings: vec![E2eShapeTiming {
+                sequences: 1,
+                tokens: 8,
+                logits: 8,
+                tapped_layers: 0,
+                fused_ms: 2.2,
+                standard_ms: 1.4,
+                runs_fused: false,
+            }],
             config: cfg(),
             backends: vec![standard, fused],
             speedup_latency_specialized_vs_standard: Some(x),
@@ -1162,6 +1243,11 @@ mod tests {
         );
         assert!(md.contains("not decode-only step times"));
         assert!(md.contains("1.333x at the median"));
+        assert!(md.contains("latency_specialized shapes: measured"), "{md}");
+        assert!(
+            md.contains("| 1 | 8 | 8 | 2.200 | 1.400 | 1.571 | standard |"),
+            "{md}"
+        );
         let table = render_stdout_table(&report);
         assert!(
             table.contains("standard") && table.contains("1.333x"),
@@ -1234,6 +1320,14 @@ mod tests {
             Ok(DecodeBackend::LatencySpecialized)
         );
         assert!(parse_backend("turbo").is_err());
+        assert_eq!(
+            parse_specialized_shapes("measured"),
+            Ok(SpecializedShapes::Measured)
+        );
+        assert_eq!(parse_specialized_shapes("all"), Ok(SpecializedShapes::All));
+        assert!(parse_specialized_shapes("some")
+            .unwrap_err()
+            .contains("measured, all"));
         assert_eq!("draft-random".parse(), Ok(E2eDrafter::DraftRandom));
         assert_eq!("ngram".parse(), Ok(E2eDrafter::Ngram));
         assert!("dspark".parse::<E2eDrafter>().is_err());

@@ -31,6 +31,7 @@ use std::collections::HashMap;
 // KV cache and step buffers. A child module so that it reads the private state directly.
 #[path = "gpu_fused.rs"]
 pub mod fused;
+use fused::{FusedDecision, ShapeTiming};
 
 fn gpu(e: impl Into<CudaError>) -> ModelError {
     ModelError::Gpu(e.into().to_string())
@@ -1221,7 +1222,14 @@ impl GpuTransformer {
 
         // The fused kernel or the standard launches (counts the fallback reason when the fused backend
         // is selected but cannot take this step); part of the graph key, so each keeps its own graph.
-        let fused = self.fused_decision(inputs, batch);
+        let fused = match self.fused_decision(inputs, batch) {
+            FusedDecision::Standard => false,
+            FusedDecision::Fused => true,
+            FusedDecision::Measure(key) => {
+                let timing = self.time_both_backends(graph_shape, rows_total, logits_total)?;
+                self.record_shape_timing(key, timing)
+            }
+        };
         let graph_key = graph_shape.map(|(b, t, lg)| (b, t, lg, self.step_taps.clone(), fused));
         let path = match graph_key {
             Some(key) if self.graphs.contains_key(&key) => {
@@ -1251,6 +1259,72 @@ impl GpuTransformer {
             self.seqs[inp.seq].as_mut().expect("checked").len = start + inp.tokens.len();
         }
         Ok((n_logits, path))
+    }
+
+    /// `FusedShapes::Measured`'s timing of a step shape not timed yet, on the inputs `run` has just
+    /// copied to the device: each backend's graph of the shape is captured (where the shape has
+    /// graphs and they work), then samples of a few back-to-back launches alternate between the
+    /// backends, timed by CUDA events; medians after warm-up samples. Every launch rewrites the same
+    /// cache slots from the same inputs, so the step's own launch afterwards (`run`, on the backend
+    /// that won) leaves the state as a single step would. Direct steps are timed as they run,
+    /// host launch gaps included.
+    fn time_both_backends(
+        &mut self,
+        graph_shape: Option<(usize, usize, usize)>,
+        rows: usize,
+        n_logits: usize,
+    ) -> Result<ShapeTiming, ModelError> {
+        const WARMUP: usize = 2;
+        const SAMPLES: usize = 7;
+        const PER_SAMPLE: usize = 4;
+        let s = self.device.stream.clone();
+        let key_of = |this: &Self, fused: bool| {
+            graph_shape.map(|(b, t, lg)| (b, t, lg, this.step_taps.clone(), fused))
+        };
+        for fused in [false, true] {
+            self.fused.set_this_step(fused);
+            if let Some(key) = key_of(self, fused) {
+                if self.graph_error.is_none() && !self.graphs.contains_key(&key) {
+                    self.encode(rows, n_logits)?;
+                    match capture_graph(&s, || self.encode(rows, n_logits)) {
+                        Ok(graph) => {
+                            self.graphs.insert(key, graph);
+                        }
+                        Err(e) => self.graph_error = Some(e.to_string()),
+                    }
+                }
+            }
+        }
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.device.ctx.new_event(flags).map_err(gpu)?;
+        let end = self.device.ctx.new_event(flags).map_err(gpu)?;
+        let mut ms: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+        for sample in 0..WARMUP + SAMPLES {
+            for fused in [false, true] {
+                self.fused.set_this_step(fused);
+                let key = key_of(self, fused).filter(|k| self.graphs.contains_key(k));
+                start.record(&s).map_err(gpu)?;
+                for _ in 0..PER_SAMPLE {
+                    match &key {
+                        Some(k) => self.graphs[k].0.launch().map_err(gpu)?,
+                        None => self.encode(rows, n_logits)?,
+                    }
+                }
+                end.record(&s).map_err(gpu)?;
+                let t = start.elapsed_ms(&end).map_err(gpu)? as f64 / PER_SAMPLE as f64;
+                if sample >= WARMUP {
+                    ms[fused as usize].push(t);
+                }
+            }
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        Ok(ShapeTiming {
+            standard_ms: median(&mut ms[0]),
+            fused_ms: median(&mut ms[1]),
+        })
     }
 
     /// Launches one forward over `rows` packed input rows with logits for `n_logits` of them. Reads

@@ -146,6 +146,54 @@ impl FallbackReason {
 /// the GPU is older than sm_90.
 pub const DEVICE_UNSUPPORTED: &str = "device_unsupported";
 
+/// The fallback kind of a step whose shape ran slower on the fused kernel than on the standard step
+/// when both were timed (`FusedShapes::Measured`).
+pub const MEASURED_SLOWER: &str = "measured_slower";
+
+/// Which of the shapes `supports` takes run the fused kernel while the fused backend is selected.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum FusedShapes {
+    /// Every one (parity checks, and `bench step`, which reports the kernel's own time).
+    #[default]
+    All,
+    /// Those that measured faster fused: the first step of each shape (`FusedShapeKey`) times both
+    /// backends on its own inputs, by CUDA events over interleaved launches (graph replays where the
+    /// shape has a graph), keeps the faster one for every later step of that shape and runs it once
+    /// more for the step's result; a shape that lost counts its steps as `MEASURED_SLOWER`
+    /// fallbacks. So selecting the backend never makes a shape slower than the standard step, as far
+    /// as one measurement can tell (NOTES v0.19).
+    Measured,
+}
+
+/// A step shape as `FusedShapes::Measured` tells them apart: (sequences launched, a graph bucket's
+/// padded ones included; most new tokens of one sequence; most logits rows of one; tapped layers).
+/// The fused kernel's time depends on these, not on the cache lengths.
+pub type FusedShapeKey = (usize, usize, usize, usize);
+
+/// Both backends' device time for one step of a shape (medians over interleaved samples).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ShapeTiming {
+    pub fused_ms: f64,
+    pub standard_ms: f64,
+}
+
+impl ShapeTiming {
+    /// Whether the fused kernel runs this shape: strictly faster, so a tie keeps the standard step.
+    pub fn fused_wins(&self) -> bool {
+        self.fused_ms < self.standard_ms
+    }
+}
+
+/// What `fused_decision` decided for the step being launched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum FusedDecision {
+    Standard,
+    Fused,
+    /// `FusedShapes::Measured` and a shape not timed yet: `run` times both backends, then calls
+    /// `record_shape_timing`.
+    Measure(FusedShapeKey),
+}
+
 /// One sequence's part of a step, as far as backend selection cares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SeqShape {
@@ -541,12 +589,29 @@ pub struct FusedState {
     last_fallback: Option<&'static str>,
     /// The most rows of one sequence in the step being launched (v1 or v2 depends on it).
     step_seq_rows: usize,
+    shapes: FusedShapes,
+    /// `FusedShapes::Measured`'s timings, per shape (dropped when the kernel's options change).
+    timings: BTreeMap<FusedShapeKey, ShapeTiming>,
 }
 
 impl FusedState {
     /// Whether the step `run` is launching now goes through the fused kernel.
     pub(super) fn runs_this_step(&self) -> bool {
         self.this_step
+    }
+
+    /// Which backend the next `encode` launches (while `run` times both for `FusedShapes::Measured`).
+    pub(super) fn set_this_step(&mut self, fused: bool) {
+        self.this_step = fused;
+    }
+
+    /// Whether a measured shape runs the fused kernel: None when it was not timed (or the policy is
+    /// `All`, where every supported shape does).
+    fn measured_verdict(&self, key: &FusedShapeKey) -> Option<bool> {
+        match self.shapes {
+            FusedShapes::All => None,
+            FusedShapes::Measured => self.timings.get(key).map(ShapeTiming::fused_wins),
+        }
     }
 }
 
@@ -1082,7 +1147,24 @@ impl GpuTransformer {
             }
         }
         self.fused.opts = opts;
+        // Timed with the old kernel.
+        self.fused.timings.clear();
         Ok(())
+    }
+
+    /// Which supported shapes run the fused kernel (default `FusedShapes::All`). Switching to
+    /// `Measured` keeps the timings taken so far.
+    pub fn set_fused_shapes(&mut self, shapes: FusedShapes) {
+        self.fused.shapes = shapes;
+    }
+
+    pub fn fused_shapes(&self) -> FusedShapes {
+        self.fused.shapes
+    }
+
+    /// `FusedShapes::Measured`'s timings so far, per shape.
+    pub fn fused_shape_timings(&self) -> &BTreeMap<FusedShapeKey, ShapeTiming> {
+        &self.fused.timings
     }
 
     pub fn fused_options(&self) -> FusedOptions {
@@ -1168,13 +1250,19 @@ impl GpuTransformer {
 
     /// Decides (and records) whether this step runs fused; `batch` counts the padded sequences of a
     /// graph bucket, which run the same shape as the real ones. Counts the fallback reason when the
-    /// fused backend is selected and the step cannot take it.
-    pub(super) fn fused_decision(&mut self, inputs: &[GpuSeqInput<'_>], batch: usize) -> bool {
+    /// fused backend is selected and the step cannot take it (or, with `FusedShapes::Measured`, its
+    /// shape measured slower fused). `Measure` records nothing yet: `record_shape_timing` does.
+    pub(super) fn fused_decision(
+        &mut self,
+        inputs: &[GpuSeqInput<'_>],
+        batch: usize,
+    ) -> FusedDecision {
+        let taps = self.step_taps.len();
         let st = &mut self.fused;
         st.this_step = false;
         st.last_fallback = None;
         if st.backend != StepBackend::LatencySpecialized {
-            return false;
+            return FusedDecision::Standard;
         }
         let mut shapes: Vec<SeqShape> = inputs
             .iter()
@@ -1188,31 +1276,60 @@ impl GpuTransformer {
             shapes.resize(batch.max(shapes.len()), first);
         }
         st.step_seq_rows = shapes.iter().map(|s| s.tokens).max().unwrap_or(0);
-        match supports(&self.config, &shapes).and_then(|()| supports_taps(&self.step_taps)) {
-            Ok(()) if st.step.is_some() => {
-                st.this_step = true;
-                st.fused_steps += 1;
-                true
-            }
-            Ok(()) => {
+        let fallback =
+            match supports(&self.config, &shapes).and_then(|()| supports_taps(&self.step_taps)) {
                 // set_step_backend builds the kernel for every supported model on sm_90+.
-                *st.fallbacks.entry(DEVICE_UNSUPPORTED).or_insert(0) += 1;
-                st.last_fallback = Some(DEVICE_UNSUPPORTED);
-                false
-            }
-            Err(reason) => {
-                *st.fallbacks.entry(reason.kind()).or_insert(0) += 1;
-                st.last_fallback = Some(reason.kind());
-                false
-            }
+                Ok(()) if st.step.is_none() => DEVICE_UNSUPPORTED,
+                Ok(()) => {
+                    let key = (
+                        shapes.len(),
+                        st.step_seq_rows,
+                        shapes.iter().map(|s| s.num_logits).max().unwrap_or(0),
+                        taps,
+                    );
+                    match (st.shapes, st.measured_verdict(&key)) {
+                        (FusedShapes::Measured, None) => return FusedDecision::Measure(key),
+                        (_, Some(false)) => MEASURED_SLOWER,
+                        _ => {
+                            st.this_step = true;
+                            st.fused_steps += 1;
+                            return FusedDecision::Fused;
+                        }
+                    }
+                }
+                Err(reason) => reason.kind(),
+            };
+        *st.fallbacks.entry(fallback).or_insert(0) += 1;
+        st.last_fallback = Some(fallback);
+        FusedDecision::Standard
+    }
+
+    /// Records `FusedDecision::Measure`'s timing and counts the step under the backend that won,
+    /// which `run` then launches for the step's result. Returns whether that is the fused kernel.
+    pub(super) fn record_shape_timing(&mut self, key: FusedShapeKey, timing: ShapeTiming) -> bool {
+        let st = &mut self.fused;
+        st.timings.insert(key, timing);
+        let fused = timing.fused_wins();
+        st.this_step = fused;
+        if fused {
+            st.fused_steps += 1;
+        } else {
+            *st.fallbacks.entry(MEASURED_SLOWER).or_insert(0) += 1;
+            st.last_fallback = Some(MEASURED_SLOWER);
         }
+        fused
     }
 
     /// Whether the captured graph of a uniform shape (batch bucket, tokens, logits per sequence) runs
-    /// the fused kernel: the same decision as `fused_decision` for such a step.
+    /// the fused kernel: the same decision as `fused_decision` for such a step (a measured shape not
+    /// timed yet has no graph yet either).
     pub(super) fn graph_uses_fused(&self, bucket: usize, tokens: usize, logits: usize) -> bool {
         self.fused.backend == StepBackend::LatencySpecialized
             && self.fused.step.is_some()
+            && self
+                .fused
+                .measured_verdict(&(bucket, tokens, logits, self.step_taps.len()))
+                != Some(false)
             && supports(
                 &self.config,
                 &vec![
@@ -1429,6 +1546,38 @@ mod tests {
         let mut c = llama();
         c.num_kv_heads = 2; // 16 query heads per KV head
         assert_eq!(supports_model(&c), Err(FallbackReason::GroupSize(16)));
+    }
+
+    #[test]
+    fn measured_shapes_run_fused_only_where_strictly_faster() {
+        let mut st = FusedState::default();
+        let (slower, faster, tie, untimed) =
+            ((1, 8, 8, 0), (1, 1, 1, 0), (2, 1, 1, 0), (4, 1, 1, 0));
+        for (key, fused_ms) in [(slower, 2.2), (faster, 1.29), (tie, 1.4)] {
+            st.timings.insert(
+                key,
+                ShapeTiming {
+                    fused_ms,
+                    standard_ms: 1.4,
+                },
+            );
+        }
+        // `All` ignores the timings: every supported shape runs fused.
+        assert_eq!(st.shapes, FusedShapes::All);
+        for key in [slower, faster, tie, untimed] {
+            assert_eq!(st.measured_verdict(&key), None);
+        }
+        st.shapes = FusedShapes::Measured;
+        assert_eq!(st.measured_verdict(&slower), Some(false));
+        assert_eq!(st.measured_verdict(&faster), Some(true));
+        assert_eq!(
+            st.measured_verdict(&tie),
+            Some(false),
+            "a tie keeps the standard step"
+        );
+        assert_eq!(st.measured_verdict(&untimed), None);
+        // Another tapped-layer count is another shape.
+        assert_eq!(st.measured_verdict(&(1, 1, 1, 2)), None);
     }
 
     #[test]

@@ -187,6 +187,7 @@ impl Server {
             max_running,
             prefill_chunk_tokens: opts.prefill_chunk_tokens.max(1),
             max_positions: opts.gpu_max_context,
+            specialized_shapes: additional.specialized_shapes,
             ..TargetOptions::default()
         };
         // The target first: on a machine without a usable GPU its error names the problem and the

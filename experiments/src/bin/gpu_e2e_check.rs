@@ -21,7 +21,11 @@
 //! (e) decode backend `latency_specialized` (the fused kernel): greedy plain, draft model k = 7 and
 //!     DSpark k = 7 at batch 1 and 4 judged as (a); synthetic 3.78 (batch 1) as (d); T = 1 standard
 //!     rule with DSpark k = 7 (batch 4) as (c). Each run must have run fused steps, and its only
-//!     fallbacks must be steps with a prompt chunk (`prefill_chunk`).
+//!     fallbacks must be steps with a prompt chunk (`prefill_chunk`). These runs set
+//!     `specialized_shapes` all, so that every verify step runs the kernel.
+//! (f) `latency_specialized` with `specialized_shapes` measured (the engine's default): greedy draft
+//!     model k = 7 and plain at batch 1 and 4 judged as (a); its only fallbacks may be prompt chunks
+//!     and the shapes that timed slower fused (`measured_slower`).
 //!
 //! Prints a table and exits nonzero on any FAIL.
 //! cargo build --release -p specula-experiments --features cuda --bin gpu_e2e_check
@@ -31,8 +35,8 @@ use anyhow::{bail, Context, Result};
 use specula_drafters::Drafter;
 use specula_engine::{
     build_drafter_on, build_target, generate, DecodeBackend, DrafterDevice, Event,
-    GenerationRequest, RequestId, Scheduler, SchedulerConfig, SpeculativeConfig, TargetBackend,
-    TargetOptions,
+    GenerationRequest, RequestId, Scheduler, SchedulerConfig, SpecializedShapes, SpeculativeConfig,
+    TargetBackend, TargetOptions,
 };
 use specula_kernels::cuda::driver_available;
 use specula_kernels::sampling::SamplingParams;
@@ -648,7 +652,11 @@ fn main() -> Result<()> {
         "\n(e) decode backend latency_specialized (the fused kernel) vs plain greedy on the CPU; its \
          verify steps must run fused, only prefill may fall back:"
     );
-    let mut fused_target = build_target(specula_engine::Device::Cuda, model, &device_opts)
+    let all_opts = TargetOptions {
+        specialized_shapes: SpecializedShapes::All,
+        ..device_opts.clone()
+    };
+    let mut fused_target = build_target(specula_engine::Device::Cuda, model, &all_opts)
         .context("the GPU target for latency_specialized")?;
     for &(method, k) in &[
         (Method::Plain, 0),
@@ -722,6 +730,55 @@ fn main() -> Result<()> {
         let what = format!("fused T=1 standard dspark k={k}");
         let al = r.acceptance.mean_acceptance_length();
         push_fused_sampled(&mut rows, what, MAX_RUNNING, verdict, detail, &r, al);
+    }
+
+    println!(
+        "\n(f) latency_specialized with specialized_shapes measured vs plain greedy on the CPU; \
+         only prefill and the shapes that timed slower fused may fall back:"
+    );
+    let mut measured_target = build_target(specula_engine::Device::Cuda, model, &device_opts)
+        .context("the GPU target for latency_specialized (measured shapes)")?;
+    for &(method, k) in &[(Method::Plain, 0), (Method::DraftModel, 7)] {
+        for batch in [1, MAX_RUNNING] {
+            let mut drafter = setup.drafter(method, k, true)?;
+            let r = run(
+                &mut *measured_target,
+                &mut drafter,
+                &AcceptanceRule::Greedy,
+                &setup.requests(k, greedy),
+                batch,
+                DecodeBackend::LatencySpecialized,
+            )?;
+            let (mut verdict, detail) = judge_greedy(&setup, &cpu_plain, &r.tokens, tolerance)?;
+            let others: Vec<String> = r
+                .fallbacks
+                .iter()
+                .filter(|(reason, _)| {
+                    !["prefill_chunk", "measured_slower"].contains(&reason.as_str())
+                })
+                .map(|(reason, n)| format!("{reason} x{n}"))
+                .collect();
+            if !others.is_empty() {
+                verdict = Verdict::Fail;
+            }
+            let detail = format!(
+                "{} fused steps, fallbacks {:?}; {detail}",
+                r.specialized_steps, r.fallbacks
+            );
+            let what = format!("measured greedy {} k={k}", method.name());
+            println!(
+                "  {what:<28} batch {batch}: {} ({:.2} s) {detail}",
+                verdict.label(),
+                r.wall_s
+            );
+            rows.push(Row {
+                what,
+                batch,
+                verdict,
+                detail: detail.lines().next().unwrap_or("").to_string(),
+                acceptance_length: r.acceptance.mean_acceptance_length(),
+            });
+        }
     }
 
     println!("\nsummary ({:.1} s):", started.elapsed().as_secs_f64());
