@@ -186,9 +186,11 @@ pub enum DecodeBackend {
     #[default]
     Standard,
     /// A decode path tuned for per-user latency: on the GPU, the fused verify kernel
-    /// (`specula_model::gpu_fused`) for every step whose shape it takes. Every other step (prefill,
-    /// mixed prefill/verify, too many sequences or tokens, an unsupported model, the CPU device) runs
-    /// `standard` and is counted as a fallback with its reason, never silently.
+    /// (`specula_model::gpu_fused`) for the steps whose shape it takes and, with `SpecializedShapes::
+    /// Measured` (the default), where it timed faster than the standard step. Every other step
+    /// (prefill, mixed prefill/verify, too many sequences or tokens, a shape measured slower, an
+    /// unsupported model, the CPU device) runs `standard` and is counted as a fallback with its
+    /// reason, never silently.
     LatencySpecialized,
 }
 

@@ -179,9 +179,10 @@ impl<'a> Scheduler<'a> {
     }
 
     /// The decode path steps should take. With `latency_specialized` each step whose shape the fused
-    /// kernel takes runs it (`totals().specialized_steps`); every other step (prefill, mixed
-    /// prefill/verify, too many sequences or tokens, a model or device without it) runs the standard
-    /// path and is counted with its reason in `totals().decode_backend_fallbacks`. An error when the
+    /// kernel takes (and, by default, timed faster on) runs it (`totals().specialized_steps`); every
+    /// other step (prefill, mixed prefill/verify, too many sequences or tokens, a shape measured
+    /// slower, a model or device without it) runs the standard path and is counted with its reason
+    /// in `totals().decode_backend_fallbacks`. An error when the
     /// target cannot set the backend up (e.g. the fused kernel does not compile or fit).
     pub fn set_decode_backend(&mut self, backend: DecodeBackend) -> Result<(), EngineError> {
         self.target.set_decode_backend(backend)?;
