@@ -104,8 +104,9 @@ struct E2eBenchArgs {
     /// Skip timing cuBLAS against the skinny kernel for the target's linear layers.
     #[arg(long)]
     no_tune: bool,
-    /// Which step shapes latency_specialized runs fused: measured (those whose first step timed
-    /// faster fused, as the engine does by default) or all (every shape the kernel takes).
+    /// Which step shapes latency_specialized runs fused: measured (those whose first step, in each
+    /// context bucket, timed faster fused, as the engine does by default) or all (every shape the
+    /// kernel takes).
     #[arg(long, default_value = "measured")]
     specialized_shapes: String,
     #[arg(long, default_value = "experiments/results/e2e_bench")]

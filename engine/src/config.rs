@@ -209,9 +209,10 @@ impl DecodeBackend {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SpecializedShapes {
-    /// Those measured faster fused: the first step of each shape times both paths on the device
-    /// and keeps the faster; the shapes that lost count as `measured_slower` fallbacks. Selecting
-    /// the backend then never costs a shape speed, as far as that measurement tells.
+    /// Those measured faster fused: the first step of each shape (again each time the longest
+    /// cache doubles past 512 keys) times both paths on the device and keeps the faster; the
+    /// shapes that lost count as `measured_slower` fallbacks. Selecting the backend then never
+    /// costs a shape speed, as far as those measurements tell.
     #[default]
     Measured,
     /// Every shape the fused kernel takes (what parity checks and `bench step` use).

@@ -15,7 +15,9 @@
 # engine on both decode backends; needs SPECULA_DEFAULT_MODELS or the repository's models/), step
 # (`specula bench step --backends standard,latency_specialized`, llama3.2-1b), shapes (the same for
 # qwen2.5-coder-1.5b and llama3.1-8b), e2e (`specula bench e2e`, 1 request, synthetic 3.78, k=7, once per
-# latency_specialized shape policy in $E2E_SHAPES, default "measured all"),
+# latency_specialized shape policy in $E2E_SHAPES, default "measured all"), e2e-long (the same at a 4000-token
+# prompt, measured policy only: 256 new tokens cross from the 4096-key context bucket into the 8192 one,
+# so each bucket's timings are in its report),
 # ab (candidate kernels: every NAME.cu under $AB_DIR, default .carry/pack/candidates, or those named in
 # $AB_ONLY (space-separated), loaded through
 # SPECULA_FUSED_STEP_CU: `gpu_fused_check --bench --short --v2-profile` for the shipped kernel and every
@@ -134,5 +136,9 @@ if has e2e; then
     mkdir -p "$res/e2e_$shapes"
     timeout 200 "$bin/specula" bench e2e --random-weights llama3.2-1b --backends standard,latency_specialized --specialized-shapes "$shapes" --drafter draft-random --requests 1 --k 7 --acceptance-length 3.78 --out "$res/e2e_$shapes" 2>&1 | tee "$res/e2e_$shapes/e2e_llama3.2-1b.txt" | tail -6; pack
   done
+fi
+if has e2e-long; then
+  mkdir -p "$res/e2e_long"
+  timeout 300 "$bin/specula" bench e2e --random-weights llama3.2-1b --backends standard,latency_specialized --specialized-shapes measured --drafter draft-random --requests 1 --k 7 --acceptance-length 3.78 --context 4000 --out "$res/e2e_long" 2>&1 | tee "$res/e2e_long/e2e_llama3.2-1b.txt" | tail -12; pack
 fi
 exit $status

@@ -477,6 +477,9 @@ pub struct E2eShapeTiming {
     pub tokens: usize,
     pub logits: usize,
     pub tapped_layers: usize,
+    /// The longest sequence's keys rounded up (`specula_model::gpu::fused::context_bucket`): each
+    /// bucket is timed at its first step.
+    pub context_bucket: usize,
     pub fused_ms: f64,
     pub standard_ms: f64,
     pub runs_fused: bool,
@@ -539,18 +542,19 @@ per backend one warm-up run plus one short run per smaller draft count (graph ca
     md.push_str(&format!(
         "latency_specialized shapes: {}.\n\n",
         match c.specialized_shapes {
-            SpecializedShapes::Measured => "measured (a step shape runs the fused kernel only where its first step timed it faster than the standard step; the shapes that lost count as `measured_slower` fallbacks)",
+            SpecializedShapes::Measured => "measured (a step shape runs the fused kernel only where its first step in each context bucket timed it faster than the standard step; the shapes that lost count as `measured_slower` fallbacks)",
             SpecializedShapes::All => "all (every step shape the fused kernel takes runs it)",
         }
     ));
     if !r.shape_timings.is_empty() {
-        md.push_str("Step shapes as timed at their first step (decode-only device time per step, not end to end):\n\n| sequences | tokens each | logits each | fused ms | standard ms | fused / standard | runs |\n|---:|---:|---:|---:|---:|---:|---|\n");
+        md.push_str("Step shapes as timed at their first step in each context bucket (decode-only device time per step, not end to end):\n\n| sequences | tokens each | logits each | keys up to | fused ms | standard ms | fused / standard | runs |\n|---:|---:|---:|---:|---:|---:|---:|---|\n");
         for t in &r.shape_timings {
             md.push_str(&format!(
-                "| {} | {} | {} | {:.3} | {:.3} | {:.3} | {} |\n",
+                "| {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {} |\n",
                 t.sequences,
                 t.tokens,
                 t.logits,
+                t.context_bucket,
                 t.fused_ms,
                 t.standard_ms,
                 t.fused_ms / t.standard_ms,
@@ -1022,17 +1026,16 @@ mod device {
                 .model()
                 .fused_shape_timings()
                 .iter()
-                .map(
-                    |(&(sequences, tokens, logits, tapped_layers), t)| E2eShapeTiming {
-                        sequences,
-                        tokens,
-                        logits,
-                        tapped_layers,
-                        fused_ms: t.fused_ms,
-                        standard_ms: t.standard_ms,
-                        runs_fused: t.fused_wins(),
-                    },
-                )
+                .map(|(k, t)| E2eShapeTiming {
+                    sequences: k.sequences,
+                    tokens: k.tokens,
+                    logits: k.logits,
+                    tapped_layers: k.tapped_layers,
+                    context_bucket: k.context_bucket,
+                    fused_ms: t.fused_ms,
+                    standard_ms: t.standard_ms,
+                    runs_fused: t.fused_wins(),
+                })
                 .collect(),
             speedup_latency_specialized_vs_standard: speedup(&backends),
             backends,
@@ -1226,6 +1229,7 @@ mod tests {
                 tokens: 8,
                 logits: 8,
                 tapped_layers: 0,
+                context_bucket: 512,
                 fused_ms: 2.2,
                 standard_ms: 1.4,
                 runs_fused: false,
@@ -1245,7 +1249,7 @@ mod tests {
         assert!(md.contains("1.333x at the median"));
         assert!(md.contains("latency_specialized shapes: measured"), "{md}");
         assert!(
-            md.contains("| 1 | 8 | 8 | 2.200 | 1.400 | 1.571 | standard |"),
+            md.contains("| 1 | 8 | 8 | 512 | 2.200 | 1.400 | 1.571 | standard |"),
             "{md}"
         );
         let table = render_stdout_table(&report);

@@ -1222,7 +1222,13 @@ impl GpuTransformer {
 
         // The fused kernel or the standard launches (counts the fallback reason when the fused backend
         // is selected but cannot take this step); part of the graph key, so each keeps its own graph.
-        let fused = match self.fused_decision(inputs, batch) {
+        let keys = inputs
+            .iter()
+            .zip(&starts)
+            .map(|(i, &start)| start + i.tokens.len())
+            .max()
+            .unwrap_or(0);
+        let fused = match self.fused_decision(inputs, batch, keys) {
             FusedDecision::Standard => false,
             FusedDecision::Fused => true,
             FusedDecision::Measure(key) => {

@@ -156,19 +156,44 @@ pub enum FusedShapes {
     /// Every one (parity checks, and `bench step`, which reports the kernel's own time).
     #[default]
     All,
-    /// Those that measured faster fused: the first step of each shape (`FusedShapeKey`) times both
-    /// backends on its own inputs, by CUDA events over interleaved launches (graph replays where the
-    /// shape has a graph), keeps the faster one for every later step of that shape and runs it once
-    /// more for the step's result; a shape that lost counts its steps as `MEASURED_SLOWER`
-    /// fallbacks. So selecting the backend never makes a shape slower than the standard step, as far
-    /// as one measurement can tell (NOTES v0.19).
+    /// Those that measured faster fused: the first step of each shape (`FusedShapeKey`; its context
+    /// bucket has a growing cache timed again each time it doubles) times both backends on its own
+    /// inputs, by CUDA events over interleaved launches (graph replays where the shape has a graph),
+    /// keeps the faster one for every later step of that shape and runs it once more for the step's
+    /// result; a shape that lost counts its steps as `MEASURED_SLOWER` fallbacks. So selecting the
+    /// backend never makes a shape slower than the standard step, as far as one measurement per
+    /// context bucket can tell (NOTES v0.19, v0.20).
     Measured,
 }
 
-/// A step shape as `FusedShapes::Measured` tells them apart: (sequences launched, a graph bucket's
-/// padded ones included; most new tokens of one sequence; most logits rows of one; tapped layers).
-/// The fused kernel's time depends on these, not on the cache lengths.
-pub type FusedShapeKey = (usize, usize, usize, usize);
+/// A step shape as `FusedShapes::Measured` tells them apart. Each is timed at its first step, and that
+/// verdict stands for every later step of the same key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct FusedShapeKey {
+    /// Sequences launched, a graph bucket's padded ones included.
+    pub sequences: usize,
+    /// Most new tokens (rows) of one sequence.
+    pub tokens: usize,
+    /// Most logits rows of one sequence.
+    pub logits: usize,
+    pub tapped_layers: usize,
+    /// `context_bucket` of the longest sequence's keys in the step. Attention's share of a step grows
+    /// with the cache, and the two backends split it differently (the kernel: up to 32 key splits per
+    /// (sequence, KV head), spread over every CTA; the standard step: up to 4 slices per row, or one
+    /// block per (row, KV head)). So a verdict taken with a short cache holds only until the cache
+    /// outgrows its bucket; each new bucket is timed again.
+    pub context_bucket: usize,
+}
+
+/// The smallest `FusedShapeKey::context_bucket`: caches up to this many keys share one verdict.
+pub const CONTEXT_BUCKET_MIN: usize = 512;
+
+/// The context bucket of a step whose longest sequence has `keys` keys (cached positions plus the
+/// step's new tokens): the next power of two, at least `CONTEXT_BUCKET_MIN`. A generation that grows
+/// to 32K keys is timed again at most 7 times per shape.
+pub fn context_bucket(keys: usize) -> usize {
+    keys.max(CONTEXT_BUCKET_MIN).next_power_of_two()
+}
 
 /// Both backends' device time for one step of a shape (medians over interleaved samples).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -589,6 +614,8 @@ pub struct FusedState {
     last_fallback: Option<&'static str>,
     /// The most rows of one sequence in the step being launched (v1 or v2 depends on it).
     step_seq_rows: usize,
+    /// `context_bucket` of the step being launched (or the last one launched).
+    step_context_bucket: usize,
     shapes: FusedShapes,
     /// `FusedShapes::Measured`'s timings, per shape (dropped when the kernel's options change).
     timings: BTreeMap<FusedShapeKey, ShapeTiming>,
@@ -1249,13 +1276,15 @@ impl GpuTransformer {
     }
 
     /// Decides (and records) whether this step runs fused; `batch` counts the padded sequences of a
-    /// graph bucket, which run the same shape as the real ones. Counts the fallback reason when the
+    /// graph bucket, which run the same shape as the real ones; `keys` those of the longest sequence
+    /// after the step (cached positions plus new tokens). Counts the fallback reason when the
     /// fused backend is selected and the step cannot take it (or, with `FusedShapes::Measured`, its
     /// shape measured slower fused). `Measure` records nothing yet: `record_shape_timing` does.
     pub(super) fn fused_decision(
         &mut self,
         inputs: &[GpuSeqInput<'_>],
         batch: usize,
+        keys: usize,
     ) -> FusedDecision {
         let taps = self.step_taps.len();
         let st = &mut self.fused;
@@ -1276,17 +1305,19 @@ impl GpuTransformer {
             shapes.resize(batch.max(shapes.len()), first);
         }
         st.step_seq_rows = shapes.iter().map(|s| s.tokens).max().unwrap_or(0);
+        st.step_context_bucket = context_bucket(keys);
         let fallback =
             match supports(&self.config, &shapes).and_then(|()| supports_taps(&self.step_taps)) {
                 // set_step_backend builds the kernel for every supported model on sm_90+.
                 Ok(()) if st.step.is_none() => DEVICE_UNSUPPORTED,
                 Ok(()) => {
-                    let key = (
-                        shapes.len(),
-                        st.step_seq_rows,
-                        shapes.iter().map(|s| s.num_logits).max().unwrap_or(0),
-                        taps,
-                    );
+                    let key = FusedShapeKey {
+                        sequences: shapes.len(),
+                        tokens: st.step_seq_rows,
+                        logits: shapes.iter().map(|s| s.num_logits).max().unwrap_or(0),
+                        tapped_layers: taps,
+                        context_bucket: st.step_context_bucket,
+                    };
                     match (st.shapes, st.measured_verdict(&key)) {
                         (FusedShapes::Measured, None) => return FusedDecision::Measure(key),
                         (_, Some(false)) => MEASURED_SLOWER,
@@ -1321,15 +1352,18 @@ impl GpuTransformer {
     }
 
     /// Whether the captured graph of a uniform shape (batch bucket, tokens, logits per sequence) runs
-    /// the fused kernel: the same decision as `fused_decision` for such a step (a measured shape not
-    /// timed yet has no graph yet either).
+    /// the fused kernel at the last step's context bucket: the same decision as `fused_decision` for
+    /// such a step (a measured shape not timed yet has no graph yet either).
     pub(super) fn graph_uses_fused(&self, bucket: usize, tokens: usize, logits: usize) -> bool {
         self.fused.backend == StepBackend::LatencySpecialized
             && self.fused.step.is_some()
-            && self
-                .fused
-                .measured_verdict(&(bucket, tokens, logits, self.step_taps.len()))
-                != Some(false)
+            && self.fused.measured_verdict(&FusedShapeKey {
+                sequences: bucket,
+                tokens,
+                logits,
+                tapped_layers: self.step_taps.len(),
+                context_bucket: self.fused.step_context_bucket,
+            }) != Some(false)
             && supports(
                 &self.config,
                 &vec![
@@ -1550,9 +1584,20 @@ mod tests {
 
     #[test]
     fn measured_shapes_run_fused_only_where_strictly_faster() {
+        let key = |sequences, tokens, tapped_layers, context_bucket| FusedShapeKey {
+            sequences,
+            tokens,
+            logits: tokens,
+            tapped_layers,
+            context_bucket,
+        };
         let mut st = FusedState::default();
-        let (slower, faster, tie, untimed) =
-            ((1, 8, 8, 0), (1, 1, 1, 0), (2, 1, 1, 0), (4, 1, 1, 0));
+        let (slower, faster, tie, untimed) = (
+            key(1, 8, 0, 512),
+            key(1, 1, 0, 512),
+            key(2, 1, 0, 512),
+            key(4, 1, 0, 512),
+        );
         for (key, fused_ms) in [(slower, 2.2), (faster, 1.29), (tie, 1.4)] {
             st.timings.insert(
                 key,
@@ -1576,8 +1621,29 @@ mod tests {
             "a tie keeps the standard step"
         );
         assert_eq!(st.measured_verdict(&untimed), None);
-        // Another tapped-layer count is another shape.
-        assert_eq!(st.measured_verdict(&(1, 1, 1, 2)), None);
+        // Another tapped-layer count is another shape, and so is a longer cache.
+        assert_eq!(st.measured_verdict(&key(1, 1, 2, 512)), None);
+        assert_eq!(st.measured_verdict(&key(1, 1, 0, 1024)), None);
+    }
+
+    #[test]
+    fn context_buckets_double_from_the_minimum() {
+        for (keys, bucket) in [
+            (0, 512),
+            (1, 512),
+            (512, 512),
+            (513, 1024),
+            (1024, 1024),
+            (4000, 4096),
+            (32768, 32768),
+            (32769, 65536),
+        ] {
+            assert_eq!(context_bucket(keys), bucket, "{keys} keys");
+        }
+        assert_eq!(context_bucket(1), CONTEXT_BUCKET_MIN);
+        // Up to 32K keys: the minimum bucket and 6 doublings.
+        let buckets: std::collections::BTreeSet<usize> = (1..=32768).map(context_bucket).collect();
+        assert_eq!(buckets.len(), 7);
     }
 
     #[test]
