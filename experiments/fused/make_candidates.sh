@@ -21,6 +21,7 @@ list=(
   "allnew rgroup combine_on_rgroup onepass8 epi_swizzle ringidx"
   "wtile wtile"
   "wtile4 wtile wtile_min"
+  "wtile4c wtile wtile_min combine"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
