@@ -4,6 +4,7 @@
 //! - greedy speculative output == plain greedy output, for every drafter, k = 1..8, batches of 1..4;
 //! - k = 0 is plain decoding; a stop token inside an accepted block stops exactly there;
 //! - draft caches after any accept/reject history equal a fresh forward over their tokens;
+//! - a draft model capped at fewer rows per forward than a prompt drafts the same as an uncapped one;
 //! - synthetic acceptance reaches its configured AL and is labelled synthetic;
 //! - a drafter proposing an out-of-vocabulary token is an error, not an out-of-range output.
 
@@ -271,6 +272,99 @@ fn out_of_vocabulary_drafts_are_errors() {
     )
     .unwrap();
     assert_eq!(out.outputs[0].token_ids, plain(&target, &req));
+}
+
+/// The GPU draft model takes at most `GpuOptions::max_rows` rows per launch, so a prompt longer than
+/// that is prefilled in chunks before the first draft. The same code runs on the CPU under
+/// `with_max_launch_rows`: chunked, the drafts, their distributions and the caches must be exactly
+/// those of one forward over the whole prompt (the CPU forward is batch-invariant), for a batch of
+/// prompts longer than, equal to and shorter than the cap, and across later steps.
+#[test]
+fn a_draft_model_capped_below_the_prompt_drafts_as_an_uncapped_one() {
+    let prompts: Vec<Vec<u32>> = vec![
+        (0..37).map(|i| (i * 31 + 3) % 320).collect(),
+        vec![9],
+        (0..8).map(|i| (i * 7 + 100) % 320).collect(),
+        (0..20).map(|i| (i * 13 + 50) % 320).collect(),
+    ];
+    let sampling = SamplingParams {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+    };
+    let run = |cap: Option<usize>| {
+        let mut drafter = ModelDrafter::new(model("qwen3", WeightDtype::F32));
+        if let Some(rows) = cap {
+            drafter = drafter.with_max_launch_rows(rows);
+        }
+        for (seq, p) in prompts.iter().enumerate() {
+            drafter.add_sequence(seq as SeqKey, p).unwrap();
+        }
+        let mut rngs: Vec<_> = (0..prompts.len())
+            .map(|i| rand_chacha::ChaCha8Rng::seed_from_u64(i as u64))
+            .collect();
+        let mut out = Vec::new();
+        for step in 0..3 {
+            let mut reqs: Vec<DraftRequest> = rngs
+                .iter_mut()
+                .enumerate()
+                .map(|(seq, rng)| DraftRequest {
+                    seq: seq as SeqKey,
+                    max_tokens: 4,
+                    sampling: sampling.clone(),
+                    vocab_limit: 320,
+                    uniforms: rng,
+                })
+                .collect();
+            let proposals = drafter.propose(&mut reqs).unwrap();
+            for (seq, p) in proposals.iter().enumerate() {
+                // Accept a step-dependent prefix, then a bonus token.
+                let mut committed = p.tokens[..(seq + step) % 4].to_vec();
+                committed.push((seq * 11 + step) as u32);
+                drafter.commit(seq as SeqKey, &committed).unwrap();
+            }
+            out.push(proposals);
+        }
+        let caches: Vec<Vec<_>> = (0..prompts.len())
+            .map(|seq| {
+                let cs = drafter.cache_seq(seq as SeqKey).unwrap();
+                (0..drafter.model().config.num_layers)
+                    .map(|layer| drafter.cache().unwrap().gather(layer, cs).unwrap())
+                    .collect()
+            })
+            .collect();
+        (out, caches)
+    };
+    let (want, want_caches) = run(None);
+    assert!(want.iter().flatten().all(|p| p.tokens.len() == 4));
+    for cap in [4, 8, 16] {
+        let (got, got_caches) = run(Some(cap));
+        assert_eq!(got, want, "proposals with at most {cap} rows per forward");
+        assert_eq!(
+            got_caches, want_caches,
+            "caches with at most {cap} rows per forward"
+        );
+    }
+    // More sequences than rows per forward: a clear error, not a panic or a partial draft.
+    let mut drafter = ModelDrafter::new(model("qwen3", WeightDtype::F32)).with_max_launch_rows(2);
+    let mut rngs: Vec<_> = (0..3).map(rand_chacha::ChaCha8Rng::seed_from_u64).collect();
+    for seq in 0..3 {
+        drafter.add_sequence(seq, &[1, 2, 3]).unwrap();
+    }
+    let mut reqs: Vec<DraftRequest> = rngs
+        .iter_mut()
+        .enumerate()
+        .map(|(seq, rng)| DraftRequest {
+            seq: seq as SeqKey,
+            max_tokens: 2,
+            sampling: SamplingParams::greedy(),
+            vocab_limit: 320,
+            uniforms: rng,
+        })
+        .collect();
+    let err = drafter.propose(&mut reqs).unwrap_err();
+    assert!(matches!(err, DraftError::Config(_)), "{err}");
+    assert!(err.to_string().contains("3 sequences"), "{err}");
 }
 
 proptest! {

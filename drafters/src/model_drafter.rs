@@ -30,6 +30,10 @@ pub struct ModelDrafter {
     model: Transformer,
     backend: Backend,
     seqs: HashMap<SeqKey, SeqState>,
+    /// Most input rows one forward may take (`None`: unbounded). The GPU backend's launches hold at
+    /// most `GpuOptions::max_rows` rows, so a first proposal after a long prompt prefills the prompt
+    /// in chunks before drafting (`prefill_to_fit`).
+    max_launch_rows: Option<usize>,
 }
 
 /// Refuses a draft model whose vocabulary differs from the target's: drafted ids would mean different
@@ -74,7 +78,17 @@ impl ModelDrafter {
             model,
             backend: Backend::Cpu(cache),
             seqs: HashMap::new(),
+            max_launch_rows: None,
         }
+    }
+
+    /// Caps the input rows of one forward (at least 1; the GPU backend also keeps its own launch
+    /// limit). Prompts longer than the cap are prefilled in chunks; the drafts do not change, since
+    /// the forward is batch-invariant.
+    pub fn with_max_launch_rows(mut self, rows: usize) -> ModelDrafter {
+        let rows = rows.max(1);
+        self.max_launch_rows = Some(self.max_launch_rows.map_or(rows, |r| r.min(rows)));
+        self
     }
 
     /// The same drafter with its forward and cache on GPU 0 (`GpuTransformer::upload`, sized by
@@ -92,12 +106,14 @@ impl ModelDrafter {
                 specula_kernels::cuda::CudaError::NoDriver.to_string(),
             ));
         }
+        let rows = opts.max_rows;
         let gpu = specula_model::gpu::GpuTransformer::upload(&self.model, opts)
             .map_err(|e| DraftError::Gpu(format!("uploading the draft model: {e}")))?;
         Ok(ModelDrafter {
             backend: Backend::Gpu(Box::new(gpu)),
             ..self
-        })
+        }
+        .with_max_launch_rows(rows))
     }
 
     /// Whether the forward runs on the GPU.
@@ -133,11 +149,109 @@ impl ModelDrafter {
         }
     }
 
+    /// Refuses a forward over more rows than `max_launch_rows`, on either backend, so the cap holds
+    /// on the CPU as it must on the GPU (the caller chunks first: `prefill_to_fit`).
+    fn check_launch_rows(&self, inputs: &[(SeqId, &[u32])]) -> Result<(), DraftError> {
+        let rows: usize = inputs.iter().map(|(_, t)| t.len()).sum();
+        match self.max_launch_rows {
+            Some(limit) if rows > limit => Err(DraftError::Config(format!(
+                "internal: a draft-model forward of {rows} rows, over its limit of {limit}"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// One forward that only appends `inputs` to the caches (no logits rows).
+    fn forward_no_logits(&mut self, inputs: &[(SeqId, &[u32])]) -> Result<(), DraftError> {
+        self.check_launch_rows(inputs)?;
+        match &mut self.backend {
+            Backend::Cpu(cache) => {
+                let inputs: Vec<SeqInput> = inputs
+                    .iter()
+                    .map(|&(seq, tokens)| SeqInput {
+                        seq,
+                        tokens,
+                        num_logits: 0,
+                    })
+                    .collect();
+                self.model.forward(cache, &inputs, &[])?;
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Gpu(g) => {
+                let inputs: Vec<specula_model::gpu::GpuSeqInput> = inputs
+                    .iter()
+                    .map(|&(seq, tokens)| specula_model::gpu::GpuSeqInput {
+                        seq: seq as usize,
+                        tokens,
+                        num_logits: 0,
+                    })
+                    .collect();
+                g.forward(&inputs)?;
+                Ok(())
+            }
+        }
+    }
+
+    /// Feeds the leading tokens of the first draft position's inputs (`feeds[i]` for the requests in
+    /// `active`) in forwards of at most `max_launch_rows` rows, until the rest fits in one: each feed
+    /// keeps at least its last token, whose logits the first draft needs. Without it, the first
+    /// proposal after a prompt longer than the launch limit failed on the GPU (session 19: a 4000-token
+    /// prompt against 512 rows per launch).
+    fn prefill_to_fit(
+        &mut self,
+        requests: &[DraftRequest<'_>],
+        active: &[usize],
+        feeds: &mut [Vec<u32>],
+    ) -> Result<(), DraftError> {
+        let Some(limit) = self.max_launch_rows else {
+            return Ok(());
+        };
+        loop {
+            let total: usize = active.iter().map(|&i| feeds[i].len()).sum();
+            if total <= limit {
+                return Ok(());
+            }
+            let mut budget = limit;
+            let mut chunks: Vec<(usize, usize)> = Vec::new();
+            for &i in active {
+                let take = feeds[i].len().saturating_sub(1).min(budget);
+                if take > 0 {
+                    chunks.push((i, take));
+                    budget -= take;
+                }
+                if budget == 0 {
+                    break;
+                }
+            }
+            if chunks.is_empty() {
+                return Err(DraftError::Config(format!(
+                    "{} sequences draft at once, more than the {limit} rows one draft-model forward takes",
+                    active.len()
+                )));
+            }
+            let inputs: Vec<(SeqId, &[u32])> = chunks
+                .iter()
+                .map(|&(i, take)| (self.seqs[&requests[i].seq].cache_seq, &feeds[i][..take]))
+                .collect();
+            self.forward_no_logits(&inputs)?;
+            for &(i, take) in &chunks {
+                let fed: Vec<u32> = feeds[i].drain(..take).collect();
+                self.seqs
+                    .get_mut(&requests[i].seq)
+                    .expect("checked by the caller")
+                    .cached
+                    .extend_from_slice(&fed);
+            }
+        }
+    }
+
     /// One forward with one logits row per input: `[inputs, vocab]` on the host, and the vocab.
     fn forward_last_rows(
         &mut self,
         inputs: &[(SeqId, &[u32])],
     ) -> Result<(Vec<f32>, usize), DraftError> {
+        self.check_launch_rows(inputs)?;
         match &mut self.backend {
             Backend::Cpu(cache) => {
                 let inputs: Vec<SeqInput> = inputs
@@ -180,8 +294,7 @@ impl ModelDrafter {
     /// One forward with one logits row per input, returning each row's argmax computed on the device
     /// (GPU backend only; `greedy_on_device` decides).
     fn argmax_last_rows(&mut self, inputs: &[(SeqId, &[u32])]) -> Result<Vec<u32>, DraftError> {
-        #[cfg(not(feature = "cuda"))]
-        let _ = inputs;
+        self.check_launch_rows(inputs)?;
         match &mut self.backend {
             Backend::Cpu(_) => Err(DraftError::Gpu(
                 "internal: device-argmax drafting asked of the CPU backend".into(),
@@ -312,6 +425,9 @@ impl Drafter for ModelDrafter {
                 .collect();
             if active.is_empty() {
                 break;
+            }
+            if step == 0 {
+                self.prefill_to_fit(requests, &active, &mut feeds)?;
             }
             let inputs: Vec<(SeqId, &[u32])> = active
                 .iter()

@@ -123,22 +123,22 @@ if has engine; then
   grep -q "^exit 0$" "$out/gpu_e2e_check_h200.txt" || status=1
 fi
 if has step; then
-  timeout 300 "$bin/specula" bench step --random-weights llama3.2-1b --backends standard,latency_specialized --out "$res" 2>&1 | tee "$res/step_llama3.2-1b.txt" | tail -14; pack
+  timeout 300 "$bin/specula" bench step --random-weights llama3.2-1b --backends standard,latency_specialized --out "$res" 2>&1 | tee "$res/step_llama3.2-1b.txt" | tail -14 || status=1; pack
 fi
 if has shapes; then
-  timeout 200 "$bin/specula" bench step --random-weights qwen2.5-coder-1.5b --backends standard,latency_specialized --out "$res" 2>&1 | tee "$res/step_qwen.txt" | tail -14; pack
-  timeout 300 "$bin/specula" bench step --random-weights llama3.1-8b --backends standard,latency_specialized --steps 32 --out "$res" 2>&1 | tee "$res/step_l8.txt" | tail -14; pack
+  timeout 200 "$bin/specula" bench step --random-weights qwen2.5-coder-1.5b --backends standard,latency_specialized --out "$res" 2>&1 | tee "$res/step_qwen.txt" | tail -14 || status=1; pack
+  timeout 300 "$bin/specula" bench step --random-weights llama3.1-8b --backends standard,latency_specialized --steps 32 --out "$res" 2>&1 | tee "$res/step_l8.txt" | tail -14 || status=1; pack
 fi
 if has e2e; then
   # Both of latency_specialized's shape policies: measured (the engine's default: fused only where its
   # first step timed faster) and all (every shape the kernel takes).
   for shapes in ${E2E_SHAPES:-measured all}; do
     mkdir -p "$res/e2e_$shapes"
-    timeout 200 "$bin/specula" bench e2e --random-weights llama3.2-1b --backends standard,latency_specialized --specialized-shapes "$shapes" --drafter draft-random --requests 1 --k 7 --acceptance-length 3.78 --out "$res/e2e_$shapes" 2>&1 | tee "$res/e2e_$shapes/e2e_llama3.2-1b.txt" | tail -6; pack
+    timeout 200 "$bin/specula" bench e2e --random-weights llama3.2-1b --backends standard,latency_specialized --specialized-shapes "$shapes" --drafter draft-random --requests 1 --k 7 --acceptance-length 3.78 --out "$res/e2e_$shapes" 2>&1 | tee "$res/e2e_$shapes/e2e_llama3.2-1b.txt" | tail -6 || status=1; pack
   done
 fi
 if has e2e-long; then
   mkdir -p "$res/e2e_long"
-  timeout 300 "$bin/specula" bench e2e --random-weights llama3.2-1b --backends standard,latency_specialized --specialized-shapes measured --drafter draft-random --requests 1 --k 7 --acceptance-length 3.78 --context 4000 --out "$res/e2e_long" 2>&1 | tee "$res/e2e_long/e2e_llama3.2-1b.txt" | tail -12; pack
+  timeout 300 "$bin/specula" bench e2e --random-weights llama3.2-1b --backends standard,latency_specialized --specialized-shapes measured --drafter draft-random --requests 1 --k 7 --acceptance-length 3.78 --context 4000 --out "$res/e2e_long" 2>&1 | tee "$res/e2e_long/e2e_llama3.2-1b.txt" | tail -12 || status=1; pack
 fi
 exit $status
