@@ -22,6 +22,7 @@ list=(
   "wtile wtile"
   "wtile4 wtile wtile_min"
   "wtile4c wtile wtile_min combine"
+  "ric ringidx combine"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
