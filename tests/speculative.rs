@@ -311,7 +311,7 @@ fn a_draft_model_capped_below_the_prompt_drafts_as_an_uncapped_one() {
                 .map(|(seq, rng)| DraftRequest {
                     seq: seq as SeqKey,
                     max_tokens: 4,
-                    sampling: sampling.clone(),
+                    sampling,
                     vocab_limit: 320,
                     uniforms: rng,
                 })
