@@ -27,6 +27,9 @@
 # experiments/fused/make_candidates.sh (its list says which patches and #define edits make each).
 # timeline (the one-layer timeline kernel, .carry/pack/timeline.cu from make_candidates.sh, through
 # SPECULA_FUSED_STEP_CU; its table by timeline_table.py in $OUT/timeline.txt).
+# ring (experiments/fused/ringbench/ring_stream.cu, built there with nvcc: how fast a ring of bulk copies,
+# one CTA per SM, streams bursts of weights between grid barriers, against the plain read bandwidth;
+# $OUT/ring_stream.txt).
 # step/shapes/e2e results go into $OUT/bench.tgz (the device tool returns at most 8 files). Extra
 # arguments after the parts go to every gpu_fused_check call (e.g. --no-cooperative).
 set -uo pipefail
@@ -113,6 +116,12 @@ if has timeline; then
   else
     echo "timeline: no $tl (experiments/fused/make_candidates.sh makes it)" | tee "$out/timeline.txt"; status=1
   fi
+fi
+if has ring; then
+  nvcc_bin=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+  { header; "$nvcc_bin" -O3 -std=c++17 -arch=sm_90 -o /tmp/ring_stream "$(dirname "$0")/ringbench/ring_stream.cu" &&
+    timeout 200 /tmp/ring_stream; echo "exit $?"; } 2>&1 | tee "$out/ring_stream.txt"
+  grep -q "^exit 0$" "$out/ring_stream.txt" || status=1
 fi
 export SPECULA_DEFAULT_MODELS=${SPECULA_DEFAULT_MODELS:-$PWD/models/default}
 export SPECULA_GIT_REVISION=${SPECULA_GIT_REVISION:-$(cat "$bin/fused.rev" 2>/dev/null)}

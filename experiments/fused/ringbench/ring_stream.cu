@@ -1,0 +1,284 @@
+// ring_stream: how fast one CTA per SM streams weights in bursts, through a ring of bulk copies like the
+// fused step's (issue 6, session 19), or by plain loads. A diagnostic, not part of the engine.
+//
+// Why: in the fused step's timeline (NOTES v0.18) the gate/up stage streams ~508 KB per CTA at 1 x 1 and
+// takes 24 us from the last O tile to the slowest CTA's last gate/up tile (mean CTA 16.4 us). With no MMAs
+// and no epilogues it still takes 25 us. HBM would move that stage's bytes in ~15 us, and the LM head, 4 MB
+// per CTA through the same ring, streams at the full rate. This program separates the ring from the rest:
+// each CTA streams bursts of BURST bytes, with a grid barrier and an idle gap between bursts (as the
+// attention chain stalls the real stages). In the gap the producer runs ahead by the whole ring. Per burst
+// it records each CTA's start and end (%globaltimer), so it reports the mean and slowest CTA and the
+// burst's span against the GPU's plain read bandwidth, measured in the same run.
+//
+// Build and run on the GPU machine (it has nvcc; the repository's binaries do not need this file):
+//   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/ring_stream experiments/fused/ringbench/ring_stream.cu && /tmp/ring_stream
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CHECK(x)                                                                                  \
+    do {                                                                                          \
+        cudaError_t e_ = (x);                                                                     \
+        if (e_ != cudaSuccess) {                                                                  \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));   \
+            exit(1);                                                                              \
+        }                                                                                         \
+    } while (0)
+
+__device__ __forceinline__ unsigned long long now_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(unsigned long long* b, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(b)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect(unsigned long long* b, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* b) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned parity) {
+    unsigned done = 0;
+    while (!done) {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done)
+                     : "r"(smem_addr(b)), "r"(parity)
+                     : "memory");
+    }
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* b) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_addr(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_addr(b))
+                 : "memory");
+}
+
+// All CTAs arrive, then wait for all: the counter only grows (zeroed by the host before each launch).
+__device__ void grid_barrier(unsigned long long* ctr, unsigned long long target) {
+    __threadfence();
+    atomicAdd(ctr, 1ull);
+    while (*(volatile unsigned long long*)ctr < target) {
+    }
+    __threadfence();
+}
+
+// CTA c's bytes of burst b: contiguous, and fresh for every (burst, CTA), so L2 never holds them.
+__device__ __forceinline__ const unsigned char* burst_src(const unsigned char* w, int b, int burst_bytes) {
+    return w + ((size_t)b * gridDim.x + blockIdx.x) * (size_t)burst_bytes;
+}
+
+// Ring mode: warp 0 lane 0 consumes (waits for each slot, releases it at once: no compute), warp 1 lane 0
+// produces (refills a slot once released, running ahead through the barrier and the gap).
+__global__ void ring_kernel(const unsigned char* w, int slots, int slot_bytes, int burst_bytes, int bursts, int gap_ns,
+                            unsigned long long* ctr, unsigned long long* times) {
+    extern __shared__ __align__(128) unsigned char ring[];
+    __shared__ unsigned long long full[32], empty[32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < slots; ++s) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], 1);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    const int per_burst = burst_bytes / slot_bytes;
+    const int chunks = per_burst * bursts;
+    if (warp == 1 && lane == 0) {
+        for (int i = 0; i < chunks; ++i) {
+            const int s = i % slots;
+            if (i >= slots) mbar_wait(&empty[s], (unsigned)(i / slots - 1) & 1u);
+            mbar_expect(&full[s], slot_bytes);
+            bulk_copy(ring + (size_t)s * slot_bytes, burst_src(w, i / per_burst, burst_bytes) +
+                      (size_t)(i % per_burst) * slot_bytes, slot_bytes, &full[s]);
+        }
+    } else if (warp == 0 && lane == 0) {
+        unsigned sink = 0;
+        for (int b = 0; b < bursts; ++b) {
+            grid_barrier(ctr, (unsigned long long)(b + 1) * gridDim.x);
+            const unsigned long long g0 = now_ns();
+            while (now_ns() - g0 < (unsigned long long)gap_ns) {
+            }
+            const unsigned long long t0 = now_ns();
+            for (int j = 0; j < per_burst; ++j) {
+                const int i = b * per_burst + j, s = i % slots;
+                mbar_wait(&full[s], (unsigned)(i / slots) & 1u);
+                sink += ring[(size_t)s * slot_bytes + (j & 127)];
+                mbar_arrive(&empty[s]);
+            }
+            const unsigned long long t1 = now_ns();
+            times[((size_t)blockIdx.x * bursts + b) * 2] = t0;
+            times[((size_t)blockIdx.x * bursts + b) * 2 + 1] = t1 + (sink == 0xffffffffu);
+        }
+    }
+}
+
+// Load mode: the CTA's 256 threads read the burst by 16-byte loads, UNROLL in flight per thread, no ring
+// and nothing fetched ahead through the gap.
+template <int UNROLL>
+__global__ void load_kernel(const unsigned char* w, int burst_bytes, int bursts, int gap_ns, unsigned long long* ctr,
+                            unsigned long long* times, unsigned* out) {
+    unsigned acc = 0;
+    for (int b = 0; b < bursts; ++b) {
+        if (threadIdx.x == 0) {
+            grid_barrier(ctr, (unsigned long long)(b + 1) * gridDim.x);
+            const unsigned long long g0 = now_ns();
+            while (now_ns() - g0 < (unsigned long long)gap_ns) {
+            }
+        }
+        __syncthreads();
+        const unsigned long long t0 = now_ns();
+        const uint4* src = reinterpret_cast<const uint4*>(burst_src(w, b, burst_bytes));
+        const int n = burst_bytes / 16;
+        // Every burst size here is a multiple of UNROLL x 256 x 16 bytes: no bounds check, so the loads issue
+        // back to back.
+        for (int base = threadIdx.x; base < n; base += UNROLL * blockDim.x) {
+            uint4 v[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) v[u] = __ldcs(src + base + u * blockDim.x);
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            times[((size_t)blockIdx.x * bursts + b) * 2] = t0;
+            times[((size_t)blockIdx.x * bursts + b) * 2 + 1] = now_ns();
+        }
+    }
+    if (acc == 0x12345678u) out[0] = acc;
+}
+
+// Whole-buffer read: the GPU's plain read bandwidth, the floor the bursts are compared with.
+__global__ void read_all(const uint4* w, size_t n, unsigned* out) {
+    unsigned acc = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const uint4 v = __ldcs(w + i);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x12345678u) out[0] = acc;
+}
+
+struct Stats {
+    double cta_mean_us, cta_max_us, span_us, gbs;
+};
+
+// Bursts 1.. (burst 0 starts cold), per burst: mean and max CTA duration, span = last end - first start;
+// medians over bursts.
+static Stats summarize(const std::vector<unsigned long long>& t, int grid, int bursts, size_t burst_bytes) {
+    std::vector<double> means, maxes, spans;
+    for (int b = 1; b < bursts; ++b) {
+        double sum = 0, mx = 0;
+        unsigned long long first = ~0ull, last = 0;
+        for (int c = 0; c < grid; ++c) {
+            const unsigned long long t0 = t[((size_t)c * bursts + b) * 2], t1 = t[((size_t)c * bursts + b) * 2 + 1];
+            const double d = (double)(t1 - t0) / 1e3;
+            sum += d;
+            mx = std::max(mx, d);
+            first = std::min(first, t0);
+            last = std::max(last, t1);
+        }
+        means.push_back(sum / grid);
+        maxes.push_back(mx);
+        spans.push_back((double)(last - first) / 1e3);
+    }
+    auto med = [](std::vector<double> v) {
+        std::sort(v.begin(), v.end());
+        return v[v.size() / 2];
+    };
+    Stats s{med(means), med(maxes), med(spans), 0};
+    s.gbs = (double)grid * burst_bytes / (s.span_us * 1e3);
+    return s;
+}
+
+int main() {
+    int dev = 0, sms = 0;
+    CHECK(cudaSetDevice(dev));
+    cudaDeviceProp prop;
+    CHECK(cudaGetDeviceProperties(&prop, dev));
+    sms = prop.multiProcessorCount;
+    const size_t buf_bytes = (size_t)3 << 30;
+    unsigned char* w;
+    unsigned long long *ctr, *times_d;
+    unsigned* out;
+    CHECK(cudaMalloc(&w, buf_bytes));
+    CHECK(cudaMemset(w, 1, buf_bytes));
+    CHECK(cudaMalloc(&ctr, 8));
+    CHECK(cudaMalloc(&out, 4));
+    const int max_bursts = 64;
+    CHECK(cudaMalloc(&times_d, (size_t)sms * max_bursts * 2 * 8));
+    cudaEvent_t e0, e1;
+    CHECK(cudaEventCreate(&e0));
+    CHECK(cudaEventCreate(&e1));
+    printf("GPU %s, %d SMs; one CTA per SM in every burst test\n", prop.name, sms);
+
+    // The read floor: the whole buffer, median of 5.
+    std::vector<float> ms;
+    for (int r = 0; r < 6; ++r) {
+        CHECK(cudaEventRecord(e0));
+        read_all<<<sms * 8, 512>>>(reinterpret_cast<const uint4*>(w), buf_bytes / 16, out);
+        CHECK(cudaEventRecord(e1));
+        CHECK(cudaEventSynchronize(e1));
+        float m;
+        CHECK(cudaEventElapsedTime(&m, e0, e1));
+        if (r > 0) ms.push_back(m);
+    }
+    std::sort(ms.begin(), ms.end());
+    const double read_gbs = buf_bytes / (ms[ms.size() / 2] * 1e6);
+    printf("plain read bandwidth (whole %zu MB buffer, median of 5): %.0f GB/s = %.1f KB/us per SM\n\n",
+           buf_bytes >> 20, read_gbs, read_gbs / sms);
+
+    CHECK(cudaFuncSetAttribute(ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+    struct Cfg {
+        const char* mode;
+        int slots, slot_kb, burst_kb, gap_us;
+    };
+    std::vector<Cfg> cfgs;
+    for (int burst_kb : {512, 256, 4096}) {
+        for (int gap_us : {10, 0}) {
+            if (burst_kb == 4096 && gap_us == 0) continue;
+            for (auto sk : {std::pair<int, int>{3, 64}, {2, 64}, {6, 32}, {12, 16}, {1, 64}}) {
+                cfgs.push_back({"ring", sk.first, sk.second, burst_kb, gap_us});
+            }
+            cfgs.push_back({"load8", 0, 0, burst_kb, gap_us});
+            cfgs.push_back({"load16", 0, 0, burst_kb, gap_us});
+        }
+    }
+    printf("| mode | ring | burst KB per CTA | gap us | mean CTA us | slowest CTA us | span us | GB/s | of read bw | "
+           "span at read bw us |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    std::vector<unsigned long long> t((size_t)sms * max_bursts * 2);
+    for (const Cfg& c : cfgs) {
+        const size_t burst = (size_t)c.burst_kb << 10;
+        const int bursts = (int)std::min<size_t>(max_bursts, buf_bytes / (burst * sms));
+        Stats st{};
+        for (int rep = 0; rep < 2; ++rep) {  // the first launch warms up
+            CHECK(cudaMemset(ctr, 0, 8));
+            if (c.mode[0] == 'r') {
+                ring_kernel<<<sms, 64, (size_t)c.slots * (c.slot_kb << 10)>>>(w, c.slots, c.slot_kb << 10, (int)burst,
+                                                                              bursts, c.gap_us * 1000, ctr, times_d);
+            } else if (c.mode[4] == '8') {
+                load_kernel<8><<<sms, 256>>>(w, (int)burst, bursts, c.gap_us * 1000, ctr, times_d, out);
+            } else {
+                load_kernel<16><<<sms, 256>>>(w, (int)burst, bursts, c.gap_us * 1000, ctr, times_d, out);
+            }
+            CHECK(cudaGetLastError());
+            CHECK(cudaDeviceSynchronize());
+        }
+        CHECK(cudaMemcpy(t.data(), times_d, t.size() * 8, cudaMemcpyDeviceToHost));
+        st = summarize(t, sms, bursts, burst);
+        char ring[32] = "-";
+        if (c.mode[0] == 'r') snprintf(ring, sizeof ring, "%d x %d KB", c.slots, c.slot_kb);
+        printf("| %s | %s | %d | %d | %.1f | %.1f | %.1f | %.0f | %.0f%% | %.1f |\n", c.mode, ring, c.burst_kb, c.gap_us,
+               st.cta_mean_us, st.cta_max_us, st.span_us, st.gbs, 100.0 * st.gbs / read_gbs,
+               (double)sms * burst / (read_gbs * 1e3));
+    }
+    printf("\nspan: the first CTA's burst start to the last CTA's burst end, median over bursts 1..; a ring that "
+           "ran ahead through the gap starts each burst with up to slots x slot bytes already landed.\n");
+    return 0;
+}
