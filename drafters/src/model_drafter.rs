@@ -161,38 +161,6 @@ impl ModelDrafter {
         }
     }
 
-    /// One forward that only appends `inputs` to the caches (no logits rows).
-    fn forward_no_logits(&mut self, inputs: &[(SeqId, &[u32])]) -> Result<(), DraftError> {
-        self.check_launch_rows(inputs)?;
-        match &mut self.backend {
-            Backend::Cpu(cache) => {
-                let inputs: Vec<SeqInput> = inputs
-                    .iter()
-                    .map(|&(seq, tokens)| SeqInput {
-                        seq,
-                        tokens,
-                        num_logits: 0,
-                    })
-                    .collect();
-                self.model.forward(cache, &inputs, &[])?;
-                Ok(())
-            }
-            #[cfg(feature = "cuda")]
-            Backend::Gpu(g) => {
-                let inputs: Vec<specula_model::gpu::GpuSeqInput> = inputs
-                    .iter()
-                    .map(|&(seq, tokens)| specula_model::gpu::GpuSeqInput {
-                        seq: seq as usize,
-                        tokens,
-                        num_logits: 0,
-                    })
-                    .collect();
-                g.forward(&inputs)?;
-                Ok(())
-            }
-        }
-    }
-
     /// Feeds the leading tokens of the first draft position's inputs (`feeds[i]` for the requests in
     /// `active`) in forwards of at most `max_launch_rows` rows, until the rest fits in one: each feed
     /// keeps at least its last token, whose logits the first draft needs. Without it, the first
@@ -234,7 +202,7 @@ impl ModelDrafter {
                 .iter()
                 .map(|&(i, take)| (self.seqs[&requests[i].seq].cache_seq, &feeds[i][..take]))
                 .collect();
-            self.forward_no_logits(&inputs)?;
+            self.forward_rows(&inputs, 0)?;
             for &(i, take) in &chunks {
                 let fed: Vec<u32> = feeds[i].drain(..take).collect();
                 self.seqs
@@ -246,10 +214,12 @@ impl ModelDrafter {
         }
     }
 
-    /// One forward with one logits row per input: `[inputs, vocab]` on the host, and the vocab.
-    fn forward_last_rows(
+    /// One forward with the last `num_logits` (0 or 1) rows' logits per input: `[inputs x num_logits,
+    /// vocab]` on the host, and the vocab.
+    fn forward_rows(
         &mut self,
         inputs: &[(SeqId, &[u32])],
+        num_logits: usize,
     ) -> Result<(Vec<f32>, usize), DraftError> {
         self.check_launch_rows(inputs)?;
         match &mut self.backend {
@@ -259,7 +229,7 @@ impl ModelDrafter {
                     .map(|&(seq, tokens)| SeqInput {
                         seq,
                         tokens,
-                        num_logits: 1,
+                        num_logits,
                     })
                     .collect();
                 let out = self.model.forward(cache, &inputs, &[])?;
@@ -267,7 +237,7 @@ impl ModelDrafter {
             }
             #[cfg(feature = "cuda")]
             Backend::Gpu(g) => {
-                let out = g.forward(&gpu_last_rows(inputs))?;
+                let out = g.forward(&gpu_rows(inputs, num_logits))?;
                 Ok((out.logits, out.vocab_size))
             }
         }
@@ -300,7 +270,7 @@ impl ModelDrafter {
                 "internal: device-argmax drafting asked of the CPU backend".into(),
             )),
             #[cfg(feature = "cuda")]
-            Backend::Gpu(g) => Ok(g.step_argmax(&gpu_last_rows(inputs))?),
+            Backend::Gpu(g) => Ok(g.step_argmax(&gpu_rows(inputs, 1))?),
         }
     }
 
@@ -327,15 +297,19 @@ impl ModelDrafter {
     }
 }
 
-/// The GPU forward's inputs for (cache sequence, tokens) pairs, one logits row each (the last).
+/// The GPU forward's inputs for (cache sequence, tokens) pairs, logits for the last `num_logits` rows
+/// of each.
 #[cfg(feature = "cuda")]
-fn gpu_last_rows<'t>(inputs: &[(SeqId, &'t [u32])]) -> Vec<specula_model::gpu::GpuSeqInput<'t>> {
+fn gpu_rows<'t>(
+    inputs: &[(SeqId, &'t [u32])],
+    num_logits: usize,
+) -> Vec<specula_model::gpu::GpuSeqInput<'t>> {
     inputs
         .iter()
         .map(|&(seq, tokens)| specula_model::gpu::GpuSeqInput {
             seq: seq as usize,
             tokens,
-            num_logits: 1,
+            num_logits,
         })
         .collect()
 }
@@ -448,7 +422,7 @@ impl Drafter for ModelDrafter {
                 }
                 continue;
             }
-            let (rows, vocab) = self.forward_last_rows(&inputs)?;
+            let (rows, vocab) = self.forward_rows(&inputs, 1)?;
             for (row, &i) in active.iter().enumerate() {
                 let r = &mut requests[i];
                 let limit = r.vocab_limit.min(vocab);

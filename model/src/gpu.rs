@@ -1001,7 +1001,9 @@ impl GpuTransformer {
     }
 
     /// One step with the greedy token of every logits row as the result (the benchmark's step: the
-    /// logits stay on the device, only the ids come back).
+    /// logits stay on the device, only the ids come back). One launch: unlike `forward`, it does not
+    /// split inputs of more than `max_rows` rows, so callers prefill long inputs first
+    /// (`ModelDrafter` does).
     pub fn step_argmax(&mut self, inputs: &[GpuSeqInput<'_>]) -> Result<Vec<u32>, ModelError> {
         let (n, _) = self.run(inputs, true)?;
         let mut ids = vec![0u32; n];
