@@ -274,6 +274,24 @@ fn out_of_vocabulary_drafts_are_errors() {
     assert_eq!(out.outputs[0].token_ids, plain(&target, &req));
 }
 
+/// One draft request per sequence key 0.., each with its own random stream.
+fn draft_requests(
+    rngs: &mut [rand_chacha::ChaCha8Rng],
+    max_tokens: usize,
+    sampling: SamplingParams,
+) -> Vec<DraftRequest<'_>> {
+    rngs.iter_mut()
+        .enumerate()
+        .map(|(seq, rng)| DraftRequest {
+            seq: seq as SeqKey,
+            max_tokens,
+            sampling,
+            vocab_limit: 320,
+            uniforms: rng,
+        })
+        .collect()
+}
+
 /// The GPU draft model takes at most `GpuOptions::max_rows` rows per launch, so a prompt longer than
 /// that is prefilled in chunks before the first draft. The same code runs on the CPU under
 /// `with_max_launch_rows`: chunked, the drafts, their distributions and the caches must be exactly
@@ -305,17 +323,7 @@ fn a_draft_model_capped_below_the_prompt_drafts_as_an_uncapped_one() {
             .collect();
         let mut out = Vec::new();
         for step in 0..3 {
-            let mut reqs: Vec<DraftRequest> = rngs
-                .iter_mut()
-                .enumerate()
-                .map(|(seq, rng)| DraftRequest {
-                    seq: seq as SeqKey,
-                    max_tokens: 4,
-                    sampling,
-                    vocab_limit: 320,
-                    uniforms: rng,
-                })
-                .collect();
+            let mut reqs = draft_requests(&mut rngs, 4, sampling);
             let proposals = drafter.propose(&mut reqs).unwrap();
             for (seq, p) in proposals.iter().enumerate() {
                 // Accept a step-dependent prefix, then a bonus token.
@@ -351,17 +359,7 @@ fn a_draft_model_capped_below_the_prompt_drafts_as_an_uncapped_one() {
     for seq in 0..3 {
         drafter.add_sequence(seq, &[1, 2, 3]).unwrap();
     }
-    let mut reqs: Vec<DraftRequest> = rngs
-        .iter_mut()
-        .enumerate()
-        .map(|(seq, rng)| DraftRequest {
-            seq: seq as SeqKey,
-            max_tokens: 2,
-            sampling: SamplingParams::greedy(),
-            vocab_limit: 320,
-            uniforms: rng,
-        })
-        .collect();
+    let mut reqs = draft_requests(&mut rngs, 2, SamplingParams::greedy());
     let err = drafter.propose(&mut reqs).unwrap_err();
     assert!(matches!(err, DraftError::Config(_)), "{err}");
     assert!(err.to_string().contains("3 sequences"), "{err}");
