@@ -74,10 +74,16 @@ __device__ __forceinline__ const unsigned char* burst_src(const unsigned char* w
     return w + ((size_t)b * gridDim.x + blockIdx.x) * (size_t)burst_bytes;
 }
 
+__device__ __forceinline__ void prefetch_l2(const void* src, unsigned bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
+
 // Ring mode: warp 0 lane 0 consumes (waits for each slot, releases it at once: no compute), warp 1 lane 0
-// produces (refills a slot once released, running ahead through the barrier and the gap).
+// produces (refills a slot once released, running ahead through the barrier and the gap). With l2_lead > 0
+// the producer also asks L2 for the chunk l2_lead chunks past each one it copies (bulk prefetch), so a gap
+// leaves l2_lead more chunks waiting in L2 beyond the ring's slots.
 __global__ void ring_kernel(const unsigned char* w, int slots, int slot_bytes, int burst_bytes, int bursts, int gap_ns,
-                            unsigned long long* ctr, unsigned long long* times) {
+                            int l2_lead, unsigned long long* ctr, unsigned long long* times) {
     extern __shared__ __align__(128) unsigned char ring[];
     __shared__ unsigned long long full[32], empty[32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -91,13 +97,17 @@ __global__ void ring_kernel(const unsigned char* w, int slots, int slot_bytes, i
     __syncthreads();
     const int per_burst = burst_bytes / slot_bytes;
     const int chunks = per_burst * bursts;
+    auto chunk_src = [&](int i) {
+        return burst_src(w, i / per_burst, burst_bytes) + (size_t)(i % per_burst) * slot_bytes;
+    };
     if (warp == 1 && lane == 0) {
+        for (int i = 0; i < l2_lead && i < chunks; ++i) prefetch_l2(chunk_src(i), slot_bytes);
         for (int i = 0; i < chunks; ++i) {
             const int s = i % slots;
             if (i >= slots) mbar_wait(&empty[s], (unsigned)(i / slots - 1) & 1u);
             mbar_expect(&full[s], slot_bytes);
-            bulk_copy(ring + (size_t)s * slot_bytes, burst_src(w, i / per_burst, burst_bytes) +
-                      (size_t)(i % per_burst) * slot_bytes, slot_bytes, &full[s]);
+            bulk_copy(ring + (size_t)s * slot_bytes, chunk_src(i), slot_bytes, &full[s]);
+            if (l2_lead > 0 && i + l2_lead < chunks) prefetch_l2(chunk_src(i + l2_lead), slot_bytes);
         }
     } else if (warp == 0 && lane == 0) {
         unsigned sink = 0;
@@ -237,21 +247,25 @@ int main() {
     CHECK(cudaFuncSetAttribute(ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
     struct Cfg {
         const char* mode;
-        int slots, slot_kb, burst_kb, gap_us;
+        int slots, slot_kb, burst_kb, gap_us, l2_lead;
     };
     std::vector<Cfg> cfgs;
     for (int burst_kb : {512, 256, 4096}) {
         for (int gap_us : {10, 0}) {
             if (burst_kb == 4096 && gap_us == 0) continue;
             for (auto sk : {std::pair<int, int>{3, 64}, {2, 64}, {6, 32}, {12, 16}, {1, 64}}) {
-                cfgs.push_back({"ring", sk.first, sk.second, burst_kb, gap_us});
+                cfgs.push_back({"ring", sk.first, sk.second, burst_kb, gap_us, 0});
             }
-            cfgs.push_back({"load8", 0, 0, burst_kb, gap_us});
-            cfgs.push_back({"load16", 0, 0, burst_kb, gap_us});
+            // The 3 x 64 KB ring with chunks asked of L2 ahead of it: a gap leaves 192 KB in shared memory and
+            // lead x 64 KB more in L2 per SM (over 132 SMs: 33, 50 and 67 MB at leads 4, 6 and 8, against a
+            // 50 MB L2, so lead 8 must thrash).
+            for (int lead : {4, 6, 8}) cfgs.push_back({"ring+L2", 3, 64, burst_kb, gap_us, lead});
+            cfgs.push_back({"load8", 0, 0, burst_kb, gap_us, 0});
+            cfgs.push_back({"load16", 0, 0, burst_kb, gap_us, 0});
         }
     }
-    printf("| mode | ring | burst KB per CTA | gap us | mean CTA us | slowest CTA us | span us | GB/s | of read bw | "
-           "span at read bw us |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    printf("| mode | ring | L2 lead | burst KB per CTA | gap us | mean CTA us | slowest CTA us | span us | GB/s | of read bw | "
+           "span at read bw us |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     std::vector<unsigned long long> t((size_t)sms * max_bursts * 2);
     for (const Cfg& c : cfgs) {
         const size_t burst = (size_t)c.burst_kb << 10;
@@ -261,7 +275,7 @@ int main() {
             CHECK(cudaMemset(ctr, 0, 8));
             if (c.mode[0] == 'r') {
                 ring_kernel<<<sms, 64, (size_t)c.slots * (c.slot_kb << 10)>>>(w, c.slots, c.slot_kb << 10, (int)burst,
-                                                                              bursts, c.gap_us * 1000, ctr, times_d);
+                                                                              bursts, c.gap_us * 1000, c.l2_lead, ctr, times_d);
             } else if (c.mode[4] == '8') {
                 load_kernel<8><<<sms, 256>>>(w, (int)burst, bursts, c.gap_us * 1000, ctr, times_d, out);
             } else {
@@ -274,7 +288,7 @@ int main() {
         st = summarize(t, sms, bursts, burst);
         char ring[32] = "-";
         if (c.mode[0] == 'r') snprintf(ring, sizeof ring, "%d x %d KB", c.slots, c.slot_kb);
-        printf("| %s | %s | %d | %d | %.1f | %.1f | %.1f | %.0f | %.0f%% | %.1f |\n", c.mode, ring, c.burst_kb, c.gap_us,
+        printf("| %s | %s | %d | %d | %d | %.1f | %.1f | %.1f | %.0f | %.0f%% | %.1f |\n", c.mode, ring, c.l2_lead, c.burst_kb, c.gap_us,
                st.cta_mean_us, st.cta_max_us, st.span_us, st.gbs, 100.0 * st.gbs / read_gbs,
                (double)sms * burst / (read_gbs * 1e3));
     }
