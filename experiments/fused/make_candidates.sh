@@ -10,19 +10,7 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${1:-$root/.carry/pack/candidates}
 mkdir -p "$out"
 list=(
-  "combine combine"
   "attn_vbg attn_vbg"
-  "onepass8 onepass8"
-  "epi epi_swizzle"
-  "ringidx ringidx"
-  "rgroup rgroup"
-  "rgroup16 rgroup FV2_ATT_VECS=16"
-  "cv combine attn_vbg"
-  "allnew rgroup combine_on_rgroup onepass8 epi_swizzle ringidx"
-  "wtile wtile"
-  "wtile4 wtile wtile_min"
-  "wtile4c wtile wtile_min combine"
-  "ric ringidx combine"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that

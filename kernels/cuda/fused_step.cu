@@ -1008,14 +1008,19 @@ struct Fv2Ring {
     unsigned long long* bars;
     unsigned long long* empty;  // consumers' releases (arrival count 1: thread 0 after the CTA's sync)
     int stages;
-    unsigned int consumed;
+    // The consumers' cursor: the next chunk's slot and its full barrier's phase parity, advanced with a
+    // wrap instead of a division by `stages` per chunk (Nsight Compute found the division, with the ring in
+    // local memory, in ~3% of the stall samples: NOTES v0.16).
+    int slot;
+    unsigned int parity;
 };
 
 // The producer warp's cursor over this CTA's chunk sequence (phases 4 l + {QKV, O, gate/up, down}, then the head).
 struct Fv2Producer {
     int phase, phases, tile, t1, kc, kchunks, N, K;
     const unsigned short* w;
-    unsigned int issued;
+    int slot;           // the next chunk's slot
+    unsigned int laps;  // times the producer has gone round the ring (the slot's previous use was lap laps - 1)
 };
 
 __device__ void fv2_producer_seek(const FusedParams& p, Fv2Producer& q, int phase) {
@@ -1034,7 +1039,7 @@ __device__ void fv2_producer_seek(const FusedParams& p, Fv2Producer& q, int phas
 __device__ void fv2_producer_issue(const FusedParams& p, Fv2Producer& q, Fv2Ring& ring) {
     if (q.phase >= q.phases) return;
     const int lane = threadIdx.x & 31;
-    const int slot = (int)(q.issued % (unsigned)ring.stages);
+    const int slot = q.slot;
     unsigned char* dst = ring.slots + (size_t)slot * FV2_SLOT_BYTES;
     const int k0 = q.kc * FV2_CHUNK_K;
     const int width = min(FV2_CHUNK_K, q.K - k0);
@@ -1051,7 +1056,10 @@ __device__ void fv2_producer_issue(const FusedParams& p, Fv2Producer& q, Fv2Ring
         fused_bulk_copy(dst + lane * (FV2_CHUNK_K * 2), q.w + (size_t)(r0 + lane) * q.K + k0, bytes,
                         &ring.bars[slot]);
     }
-    ++q.issued;
+    if (++q.slot == ring.stages) {
+        q.slot = 0;
+        ++q.laps;
+    }
     if (++q.kc == q.kchunks) {
         q.kc = 0;
         if (++q.tile == q.t1) fv2_producer_seek(p, q, q.phase + 1);
@@ -1346,6 +1354,11 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
     extern __shared__ __align__(128) unsigned char fused_dyn[];
     const unsigned char* slots = fused_dyn + (ring.slots - fused_dyn);
     const int M = g.M;  // a register in the MMA loop (g lives in the caller's local memory)
+    // The ring cursor in registers for the stage (ring, too, lives in the caller's local memory); written
+    // back at the end.
+    const int stages = ring.stages;
+    int slot = ring.slot;
+    unsigned int parity = ring.parity;
     float* red = reinterpret_cast<float*>(scratch);  // two buffers (fv2_tile_out)
     unsigned char* xs = scratch + 2 * fv2_red_bytes(NT);
     const int xs_cap = scratch_bytes - 2 * fv2_red_bytes(NT);
@@ -1418,10 +1431,9 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
                 fused_prof_add(22, ts);
             }
             const int xk0 = whole ? k0 : 0;
-            const unsigned int c0 = ring.consumed;
-            const int s0 = (int)(c0 % (unsigned)ring.stages);
+            const int s0 = slot;
             ts = fused_clock();
-            fused_mbar_wait(&ring.bars[s0], (c0 / (unsigned)ring.stages) & 1u);
+            fused_mbar_wait(&ring.bars[s0], parity);
             fused_prof_add(20, ts);
             ts = fused_clock();
             const unsigned char* st0 = slots + (size_t)s0 * FV2_SLOT_BYTES;
@@ -1441,13 +1453,18 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
             fv2_sync();  // every warp is done with the slot (and with xs when staged per chunk)
             fused_prof_add(0, ts);
             if (threadIdx.x == 0) fv2_mbar_arrive(&ring.empty[s0]);
-            ring.consumed += 1;
+            if (++slot == stages) {
+                slot = 0;
+                parity ^= 1u;
+            }
         }
         ts = fused_clock();
         fv2_tile_out<NT>(p, g, c, tile, red + ((tile - t0) & 1) * (fv2_red_bytes(NT) / 4), taps, tapped, layer,
                          base);
         fused_prof_add(21, ts);
     }
+    ring.slot = slot;
+    ring.parity = parity;
 }
 
 // Attention scratch (floats, from the start of the scratch region) for a sequence of `rows` rows:
@@ -1672,20 +1689,81 @@ __device__ __noinline__ void fv2_attention_item(const FusedParams& p, const Fuse
     if (!last_s) return;
     ta = fused_clock();
     __threadfence();
-    for (int i = tid; i < QV * hd; i += FUSED_THREADS) {
-        const int qv = i / hd, d = i % hd;
-        const int row = r0 + qv / G, head = kvh * G + qv % G;
-        const float* all = p.attn_partials + ((size_t)row * p.n_heads + head) * FV2_MAX_SPLITS * pstride;
-        float m = SPECULA_NEG_INF;
-        for (int sp = 0; sp < splits; ++sp) m = fmaxf(m, __ldcg(all + sp * pstride + hd));
-        float l = 0.0f, o = 0.0f;
-        for (int sp = 0; sp < splits; ++sp) {
-            const float ms = __ldcg(all + sp * pstride + hd);
-            const float w = ms == SPECULA_NEG_INF ? 0.0f : expf(ms - m);
-            l += __ldcg(all + sp * pstride + hd + 1) * w;
-            o += __ldcg(all + sp * pstride + d) * w;
+    if (QV * hd <= FUSED_THREADS) {  // one output per thread: its own loads are two rounds already
+        const int i = tid;
+        if (i < QV * hd) {
+            const int qv = i / hd, d = i % hd;
+            const int row = r0 + qv / G, head = kvh * G + qv % G;
+            const float* all = p.attn_partials + ((size_t)row * p.n_heads + head) * FV2_MAX_SPLITS * pstride;
+            float m = SPECULA_NEG_INF;
+            for (int sp = 0; sp < splits; ++sp) m = fmaxf(m, __ldcg(all + sp * pstride + hd));
+            float l = 0.0f, o = 0.0f;
+            for (int sp = 0; sp < splits; ++sp) {
+                const float ms = __ldcg(all + sp * pstride + hd);
+                const float w = ms == SPECULA_NEG_INF ? 0.0f : expf(ms - m);
+                l += __ldcg(all + sp * pstride + hd + 1) * w;
+                o += __ldcg(all + sp * pstride + d) * w;
+            }
+            p.act16[(size_t)row * p.n_heads * hd + (size_t)head * hd + d] = f32_to_bf16(o / l);
         }
-        p.act16[(size_t)row * p.n_heads * hd + (size_t)head * hd + d] = f32_to_bf16(o / l);
+        fused_prof_add(10, ta);
+        if (tid == 0) p.attn_counters[(size_t)s * p.n_kv_heads + kvh] = 0u;
+        return;
+    }
+    // The combine, in rounds of loads that do not wait for each other: every (query vector, split)'s m
+    // and l; then per query vector the max, the weights and the denominator (in split order); then the
+    // outputs, four per thread with all their splits' loads in flight (the same sums, in split order).
+    // w_s reuses acc_s and the raw l's q_s (QV x splits <= QV x hd: FV2_MAX_SPLITS <= 32 <= hd).
+    const size_t head_stride = (size_t)FV2_MAX_SPLITS * pstride;
+    float* w_s = acc_s;
+    float* lraw_s = q_s;
+    for (int i = tid; i < QV * splits; i += FUSED_THREADS) {
+        const int qv = i / splits, sp = i % splits;
+        const float* part = p.attn_partials + ((size_t)(r0 + qv / G) * p.n_heads + kvh * G + qv % G) * head_stride +
+                            (size_t)sp * pstride;
+        w_s[i] = __ldcg(part + hd);
+        lraw_s[i] = __ldcg(part + hd + 1);
+    }
+    fv2_sync();
+    for (int qv = tid; qv < QV; qv += FUSED_THREADS) {
+        float m = SPECULA_NEG_INF;
+        for (int sp = 0; sp < splits; ++sp) m = fmaxf(m, w_s[qv * splits + sp]);
+        float l = 0.0f;
+        for (int sp = 0; sp < splits; ++sp) {
+            const float ms = w_s[qv * splits + sp];
+            const float w = ms == SPECULA_NEG_INF ? 0.0f : expf(ms - m);
+            l += lraw_s[qv * splits + sp] * w;
+            w_s[qv * splits + sp] = w;
+        }
+        l_s[qv] = l;
+    }
+    fv2_sync();
+    for (int i0 = tid; i0 < QV * hd; i0 += 4 * FUSED_THREADS) {
+        const float* src[4];
+        int qv[4];
+        float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int i = min(i0 + u * FUSED_THREADS, QV * hd - 1);  // past the end: a harmless duplicate
+            qv[u] = i / hd;
+            src[u] = p.attn_partials +
+                     ((size_t)(r0 + qv[u] / G) * p.n_heads + kvh * G + qv[u] % G) * head_stride + i % hd;
+        }
+#pragma unroll 4
+        for (int sp = 0; sp < splits; ++sp) {
+            float x[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) x[u] = __ldcg(src[u] + (size_t)sp * pstride);
+#pragma unroll
+            for (int u = 0; u < 4; ++u) o[u] += x[u] * w_s[qv[u] * splits + sp];
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int i = i0 + u * FUSED_THREADS;
+            if (i >= QV * hd) continue;
+            const int row = r0 + qv[u] / G, head = kvh * G + qv[u] % G;
+            p.act16[(size_t)row * p.n_heads * hd + (size_t)head * hd + i % hd] = f32_to_bf16(o[u] / l_s[qv[u]]);
+        }
     }
     fused_prof_add(10, ta);
     if (tid == 0) p.attn_counters[(size_t)s * p.n_kv_heads + kvh] = 0u;
@@ -1754,10 +1832,11 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
         }
     }
     const int ring_offset = layout & 0xffffff, stages = layout >> 24;
-    Fv2Ring ring = {fused_dyn + ring_offset, ring_bars, ring_empty, stages, 0u};
+    Fv2Ring ring = {fused_dyn + ring_offset, ring_bars, ring_empty, stages, 0, 0u};
     Fv2Producer q;
     q.phases = 4 * p.n_layers + (n_logits > 0 ? 1 : 0);
-    q.issued = 0;
+    q.slot = 0;
+    q.laps = 0;
     if (threadIdx.x == 0) {
         for (int i = 0; i < stages; ++i) {
             fused_mbar_init(&ring_bars[i]);
@@ -1772,10 +1851,7 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
         if (work) {
             fv2_producer_seek(p, q, 0);
             while (q.phase < q.phases) {
-                if (q.issued >= (unsigned)stages) {
-                    const unsigned int use = q.issued / (unsigned)stages - 1u;
-                    fused_mbar_wait(&ring_empty[q.issued % (unsigned)stages], use & 1u);
-                }
+                if (q.laps > 0) fused_mbar_wait(&ring_empty[q.slot], (q.laps - 1u) & 1u);
                 fv2_producer_issue(p, q, ring);
             }
         }
