@@ -19,10 +19,14 @@
 //! sequence's history, so often fewer than k tokens (on random prompts usually none) and the measured
 //! acceptance length falls below L.
 //!
-//! Per backend: one warm-up run at the configured settings plus one short run per smaller draft count
-//! (the draft count is clipped near max tokens, so every verify-block shape's CUDA graph is captured
-//! before timing), then `runs` timed runs; the backends alternate run by run, and run i of every
-//! backend uses the same prompts and seeds.
+//! Per backend: one warm-up run at the configured settings plus one short run per smaller draft count,
+//! then `runs` timed runs; the backends alternate run by run, and run i of every backend uses the same
+//! prompts and seeds. The draft count is clipped near max tokens, so the timed runs' last steps verify
+//! every smaller block; the short runs make each of those shapes run before timing. They end where the
+//! timed runs end (`tail_context`), in the same context bucket: there each shape's CUDA graph is
+//! captured, and `latency_specialized` with measured shapes times it against the standard step (a
+//! one-time cost per shape and context bucket, 200-700 ms per run at a 4000-token prompt when it fell in
+//! timed runs: NOTES v0.24).
 //!
 //! Per-user tokens/s is the engine's own measure (`GenerationStats::decode_tokens_per_s`, summarised
 //! by `RunStats::per_user_tokens_per_s_*`): (generated tokens - 1) / (time of the last emitted token -
@@ -498,7 +502,7 @@ pub fn render_markdown(r: &E2eBenchReport) -> String {
 - Drafter: {}.\n\
 - Acceptance: {} (conditional rates {}); target on {}, acceptance rules on the {}.\n\
 - Workload per run: {} request(s) x {} seeded random prompt tokens, exactly {} generated tokens each (no stop tokens), temperature {}; \
-per backend one warm-up run plus one short run per smaller draft count (graph capture), then {} timed runs, the backends alternating run by run on the same prompts and seeds.\n\
+per backend one warm-up run plus one short run per smaller draft count ending where the timed runs end (each verify-block shape's graph capture and, under measured shapes, its one-time timing happen there), then {} timed runs, the backends alternating run by run on the same prompts and seeds.\n\
 - Metric: {}.\n\n",
         r.shape,
         r.gpu,
@@ -675,7 +679,14 @@ pub fn render_stdout_table(r: &E2eBenchReport) -> String {
     s
 }
 
-/// The requests of one run: `cfg.requests` prompts of `cfg.context` ids below `vocab` drawn from a
+/// Prompt length of a short warm-up run of `short_tokens` tokens that ends where the timed runs end
+/// (`cfg.context + cfg.max_tokens` positions), so that the blocks it verifies fall in the context
+/// bucket of the timed runs' last steps, where their clipped draft counts run.
+pub fn tail_context(cfg: &E2eBenchConfig, short_tokens: usize) -> usize {
+    cfg.context + cfg.max_tokens.saturating_sub(short_tokens)
+}
+
+/// The requests of one run: `cfg.requests` prompts of `context` ids below `vocab` drawn from a
 /// stream seeded by (`cfg.seed`, `slot`), each request with its own seed from the same stream, no
 /// stop tokens or strings, `num_draft_tokens` drafts and `max_tokens` tokens. The same slot gives
 /// the same requests for every backend.
@@ -683,6 +694,7 @@ pub fn make_requests(
     cfg: &E2eBenchConfig,
     vocab: usize,
     slot: u64,
+    context: usize,
     num_draft_tokens: usize,
     max_tokens: usize,
 ) -> Vec<specula_engine::GenerationRequest> {
@@ -695,7 +707,7 @@ pub fn make_requests(
     );
     (0..cfg.requests)
         .map(|_| specula_engine::GenerationRequest {
-            prompt_ids: (0..cfg.context)
+            prompt_ids: (0..context)
                 .map(|_| rng.random_range(0..vocab as u32))
                 .collect(),
             max_new_tokens: max_tokens,
@@ -938,15 +950,17 @@ mod device {
                 );
             }
             let t = Instant::now();
-            let reqs = make_requests(&cfg, vocab, 0, cfg.k, cfg.max_tokens);
+            let reqs = make_requests(&cfg, vocab, 0, cfg.context, cfg.k, cfg.max_tokens);
             run_once(&mut target, backend, &mut *drafter, &rule, &reqs).context("warm-up run")?;
+            let short = cfg.max_tokens.min(32);
             for kk in 0..cfg.k {
                 let reqs = make_requests(
                     &cfg,
                     vocab,
                     1_000_000 + kk as u64,
+                    tail_context(&cfg, short),
                     kk,
-                    cfg.max_tokens.min(32),
+                    short,
                 );
                 run_once(&mut target, backend, &mut *drafter, &rule, &reqs)
                     .with_context(|| format!("warm-up run with {kk} drafts"))?;
@@ -960,7 +974,14 @@ mod device {
         let mut device = String::new();
         let mut verifier = String::new();
         for run in 0..cfg.runs {
-            let reqs = make_requests(&cfg, vocab, 1 + run as u64, cfg.k, cfg.max_tokens);
+            let reqs = make_requests(
+                &cfg,
+                vocab,
+                1 + run as u64,
+                cfg.context,
+                cfg.k,
+                cfg.max_tokens,
+            );
             for (bi, &backend) in cfg.backends.iter().enumerate() {
                 let out = run_once(&mut target, backend, &mut *drafter, &rule, &reqs)
                     .with_context(|| format!("timed run {run}"))?;
@@ -1287,11 +1308,37 @@ mod tests {
     }
 
     #[test]
+    fn short_warm_up_runs_end_where_the_timed_runs_end() {
+        // A 4000-token prompt and 256 new tokens: the timed runs' clipped last blocks verify past
+        // 4096 keys, so the short runs (32 tokens) must too; from the prompt's end they would not.
+        let c = E2eBenchConfig {
+            context: 4000,
+            max_tokens: 256,
+            ..cfg()
+        };
+        let ctx = tail_context(&c, 32);
+        assert_eq!(ctx + 32, c.context + c.max_tokens);
+        assert!(ctx > 4096 && c.context + 32 <= 4096);
+        let reqs = make_requests(&c, 1000, 9, ctx, 3, 32);
+        assert!(reqs
+            .iter()
+            .all(|r| r.prompt_ids.len() == ctx && r.max_new_tokens == 32));
+        // Fewer new tokens than a short run: the short runs start at the prompt's end.
+        let tiny = E2eBenchConfig {
+            max_tokens: 16,
+            ..cfg()
+        };
+        assert_eq!(tail_context(&tiny, 16), tiny.context);
+        // Their positions never pass the caches' room.
+        assert!(ctx + 32 + c.k + 1 <= c.max_positions());
+    }
+
+    #[test]
     fn requests_are_seeded_per_slot_and_never_stop_early() {
         let c = cfg();
-        let a = make_requests(&c, 1000, 3, 7, 256);
-        let b = make_requests(&c, 1000, 3, 7, 256);
-        let other = make_requests(&c, 1000, 4, 7, 256);
+        let a = make_requests(&c, 1000, 3, c.context, 7, 256);
+        let b = make_requests(&c, 1000, 3, c.context, 7, 256);
+        let other = make_requests(&c, 1000, 4, c.context, 7, 256);
         assert_eq!(a.len(), 1);
         assert_eq!(a[0].prompt_ids, b[0].prompt_ids);
         assert_eq!(a[0].seed, b[0].seed);
@@ -1309,10 +1356,12 @@ mod tests {
             },
             1000,
             3,
+            40,
             2,
             16,
         );
         assert_eq!(many.len(), 4);
+        assert!(many.iter().all(|r| r.prompt_ids.len() == 40));
         assert_ne!(many[0].prompt_ids, many[1].prompt_ids);
     }
 
