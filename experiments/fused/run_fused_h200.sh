@@ -28,7 +28,8 @@
 # timeline (the one-layer timeline kernel, .carry/pack/timeline.cu from make_candidates.sh, through
 # SPECULA_FUSED_STEP_CU; its table by timeline_table.py in $OUT/timeline.txt).
 # ring (experiments/fused/ringbench/ring_stream.cu, built there with nvcc: how fast a ring of bulk copies,
-# one CTA per SM, streams bursts of weights between grid barriers, against the plain read bandwidth;
+# one CTA per SM, streams bursts of weights between grid barriers, against the plain read bandwidth, then
+# the same ring in the fused step's CTA shape; RING_ARGS=kernel runs only the latter and one baseline;
 # $OUT/ring_stream.txt).
 # step/shapes/e2e results go into $OUT/bench.tgz (the device tool returns at most 8 files). Extra
 # arguments after the parts go to every gpu_fused_check call (e.g. --no-cooperative).
@@ -120,7 +121,7 @@ fi
 if has ring; then
   nvcc_bin=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
   { header; "$nvcc_bin" -O3 -std=c++17 -arch=sm_90 -o /tmp/ring_stream "$(dirname "$0")/ringbench/ring_stream.cu" &&
-    timeout 200 /tmp/ring_stream; echo "exit $?"; } 2>&1 | tee "$out/ring_stream.txt"
+    timeout 200 /tmp/ring_stream ${RING_ARGS:-}; echo "exit $?"; } 2>&1 | tee "$out/ring_stream.txt"
   grep -q "^exit 0$" "$out/ring_stream.txt" || status=1
 fi
 export SPECULA_DEFAULT_MODELS=${SPECULA_DEFAULT_MODELS:-$PWD/models/default}

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #define CHECK(x)                                                                                  \
@@ -130,6 +131,82 @@ __global__ void ring_kernel(const unsigned char* w, int slots, int slot_bytes, i
     }
 }
 
+// Kernel-like ring (session 20): the fused step's CTA shape around the same ring. Eight consumer warps
+// (threads 0-255) wait on each chunk's full barrier together, spin `work_ns` (standing in for the MMAs),
+// meet at named barrier 1 and thread 0 releases the slot, as fv2_gemm does; one producer warp (warp 8,
+// lane 0) refills. `tiles` 64 KB tiles per burst are split over the grid as fused_tile_range splits the
+// gate/up stage (1024 tiles: 100 CTAs take 8, 32 take 7 on 132 SMs), or every CTA takes `tiles` when
+// `uniform`. After each burst's start the consumers spin `stage_ns` before their first chunk (standing
+// in for the norm staging, during which the ring cannot refill). Times are thread 0's, burst start to
+// its last release.
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+__device__ __forceinline__ void spin_ns(int ns) {
+    const unsigned long long t0 = now_ns();
+    while (now_ns() - t0 < (unsigned long long)ns) {
+    }
+}
+__global__ void kring_kernel(const unsigned char* w, int slots, int tiles, int uniform, int bursts, int gap_ns,
+                             int stage_ns, int work_ns, unsigned long long* ctr, unsigned long long* times) {
+    extern __shared__ __align__(128) unsigned char ring[];
+    __shared__ unsigned long long full[32], empty[32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const unsigned tile_bytes = 64u << 10;
+    int t0, t1;
+    if (uniform) {
+        t0 = blockIdx.x * tiles;
+        t1 = t0 + tiles;
+    } else {
+        t0 = (int)((long long)tiles * blockIdx.x / gridDim.x);
+        t1 = (int)((long long)tiles * (blockIdx.x + 1) / gridDim.x);
+    }
+    const size_t burst_stride = (size_t)tile_bytes * (uniform ? (size_t)tiles * gridDim.x : (size_t)tiles);
+    const int per_burst = t1 - t0, chunks = per_burst * bursts;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < slots; ++s) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], 1);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (warp == 8) {
+        if (lane == 0) {
+            for (int i = 0; i < chunks; ++i) {
+                const int s = i % slots;
+                if (i >= slots) mbar_wait(&empty[s], (unsigned)(i / slots - 1) & 1u);
+                mbar_expect(&full[s], tile_bytes);
+                const unsigned char* src = w + (size_t)(i / per_burst) * burst_stride +
+                                           (size_t)(t0 + i % per_burst) * tile_bytes;
+                bulk_copy(ring + (size_t)s * tile_bytes, src, tile_bytes, &full[s]);
+            }
+        }
+        return;
+    }
+    unsigned sink = 0;
+    for (int b = 0; b < bursts; ++b) {
+        if (threadIdx.x == 0) {
+            grid_barrier(ctr, (unsigned long long)(b + 1) * gridDim.x);
+            spin_ns(gap_ns);
+        }
+        consumers_sync();
+        const unsigned long long start = now_ns();
+        if (stage_ns > 0) spin_ns(stage_ns);
+        consumers_sync();
+        for (int j = 0; j < per_burst; ++j) {
+            const int i = b * per_burst + j, s = i % slots;
+            mbar_wait(&full[s], (unsigned)(i / slots) & 1u);
+            sink += ring[(size_t)s * tile_bytes + threadIdx.x * 16];
+            if (work_ns > 0) spin_ns(work_ns);
+            consumers_sync();
+            if (threadIdx.x == 0) mbar_arrive(&empty[s]);
+        }
+        if (threadIdx.x == 0) {
+            times[((size_t)blockIdx.x * bursts + b) * 2] = start;
+            times[((size_t)blockIdx.x * bursts + b) * 2 + 1] = now_ns() + (sink == 0xffffffffu);
+        }
+    }
+}
+
 // Load mode: the CTA's 256 threads read the burst by 16-byte loads, UNROLL in flight per thread, no ring
 // and nothing fetched ahead through the gap.
 template <int UNROLL>
@@ -207,7 +284,9 @@ static Stats summarize(const std::vector<unsigned long long>& t, int grid, int b
     return s;
 }
 
-int main() {
+int main(int argc, char** argv) {
+    // "kernel": only the 3 x 64 KB ring and the kernel-like rows (session 20's question, ~1 minute less).
+    const bool kernel_only = argc > 1 && std::string(argv[1]) == "kernel";
     int dev = 0, sms = 0;
     CHECK(cudaSetDevice(dev));
     cudaDeviceProp prop;
@@ -250,7 +329,9 @@ int main() {
         int slots, slot_kb, burst_kb, gap_us, l2_lead;
     };
     std::vector<Cfg> cfgs;
+    if (kernel_only) cfgs.push_back({"ring", 3, 64, 512, 10, 0});
     for (int burst_kb : {512, 256, 4096}) {
+        if (kernel_only) break;
         for (int gap_us : {10, 0}) {
             if (burst_kb == 4096 && gap_us == 0) continue;
             for (auto sk : {std::pair<int, int>{3, 64}, {2, 64}, {6, 32}, {12, 16}, {1, 64}}) {
@@ -291,6 +372,38 @@ int main() {
         printf("| %s | %s | %d | %d | %d | %.1f | %.1f | %.1f | %.0f | %.0f%% | %.1f |\n", c.mode, ring, c.l2_lead, c.burst_kb, c.gap_us,
                st.cta_mean_us, st.cta_max_us, st.span_us, st.gbs, 100.0 * st.gbs / read_gbs,
                (double)sms * burst / (read_gbs * 1e3));
+    }
+    // Kernel-like rows: the gate/up stage of llama3.2-1b at 1 x 1 is 1024 tiles of 64 KB.
+    CHECK(cudaFuncSetAttribute(kring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+    struct KCfg {
+        const char* what;
+        int uniform, tiles, stage_ns, work_ns;
+    };
+    const KCfg kcfgs[] = {
+        {"8 warps, 8 tiles each", 1, 8, 0, 0},
+        {"8 warps, gate/up split (7 or 8)", 0, 1024, 0, 0},
+        {"+ 2 us staging first", 0, 1024, 2000, 0},
+        {"+ 2 us staging, 0.7 us work per tile", 0, 1024, 2000, 700},
+        {"gate/up split, 0.7 us work per tile", 0, 1024, 0, 700},
+        {"gate/up split, 1.5 us work per tile", 0, 1024, 0, 1500},
+    };
+    printf("\nKernel-like: 3 x 64 KB ring, 8 consumer warps + a producer warp (block 288), gap 10 us\n\n"
+           "| consumers and tiles | mean CTA us | slowest CTA us | span us | GB/s | span at read bw us |\n"
+           "|---|---:|---:|---:|---:|---:|\n");
+    for (const KCfg& k : kcfgs) {
+        const size_t total = (size_t)(k.uniform ? k.tiles * sms : k.tiles) << 16;
+        const int bursts = (int)std::min<size_t>(max_bursts, buf_bytes / total);
+        for (int rep = 0; rep < 2; ++rep) {
+            CHECK(cudaMemset(ctr, 0, 8));
+            kring_kernel<<<sms, 288, 3 * (64 << 10)>>>(w, 3, k.tiles, k.uniform, bursts, 10000, k.stage_ns, k.work_ns,
+                                                        ctr, times_d);
+            CHECK(cudaGetLastError());
+            CHECK(cudaDeviceSynchronize());
+        }
+        CHECK(cudaMemcpy(t.data(), times_d, t.size() * 8, cudaMemcpyDeviceToHost));
+        Stats st = summarize(t, sms, bursts, total / sms);
+        printf("| %s | %.1f | %.1f | %.1f | %.0f | %.1f |\n", k.what, st.cta_mean_us, st.cta_max_us, st.span_us,
+               st.gbs, (double)total / (read_gbs * 1e3));
     }
     printf("\nspan: the first CTA's burst start to the last CTA's burst end, median over bursts 1..; a ring that "
            "ran ahead through the gap starts each burst with up to slots x slot bytes already landed.\n");
