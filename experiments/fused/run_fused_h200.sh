@@ -26,7 +26,8 @@
 # $OUT/ab/summary.txt). Make the candidates here, where `patch` is known to exist:
 # experiments/fused/make_candidates.sh (its list says which patches and #define edits make each).
 # timeline (the one-layer timeline kernel, .carry/pack/timeline.cu from make_candidates.sh, through
-# SPECULA_FUSED_STEP_CU; its table by timeline_table.py in $OUT/timeline.txt).
+# SPECULA_FUSED_STEP_CU; its table by timeline_table.py in $OUT/timeline.txt, then each CTA's gate/up
+# and down times with its SM and tile count, from --v2-profile-cta).
 # ring (experiments/fused/ringbench/ring_stream.cu, built there with nvcc: how fast a ring of bulk copies,
 # one CTA per SM, streams bursts of weights between grid barriers, against the plain read bandwidth, then
 # the same ring in the fused step's CTA shape; RING_ARGS=kernel runs only the latter and one baseline;
@@ -112,8 +113,10 @@ if has timeline; then
   tl=${TIMELINE_CU:-.carry/pack/timeline.cu}
   if [ -f "$tl" ]; then
     tl=$(cd "$(dirname "$tl")" && pwd)/$(basename "$tl")
-    { header; SPECULA_FUSED_STEP_CU=$tl timeout 200 "$bin/gpu_fused_check" --bench --short --v2-profile; echo "exit $?"; } > "$out/bench_timeline.txt" 2>&1
-    python3 "$(dirname "$0")/timeline_table.py" "$out/bench_timeline.txt" | tee "$out/timeline.txt"
+    { header; SPECULA_FUSED_STEP_CU=$tl timeout 200 "$bin/gpu_fused_check" --bench --short --v2-profile-cta; echo "exit $?"; } > "$out/bench_timeline.txt" 2>&1
+    grep -q "^exit 0$" "$out/bench_timeline.txt" || status=1
+    { python3 "$(dirname "$0")/timeline_table.py" "$out/bench_timeline.txt"
+      python3 "$(dirname "$0")/timeline_table.py" --per-cta "$out/bench_timeline.txt"; } | tee "$out/timeline.txt"
   else
     echo "timeline: no $tl (experiments/fused/make_candidates.sh makes it)" | tee "$out/timeline.txt"; status=1
   fi

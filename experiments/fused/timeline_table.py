@@ -12,6 +12,8 @@ tiles, 8 combining CTAs. Grid 132 (H200).
 Usage: timeline_table.py BENCH_OUTPUT [--grid 132] [--items 72] [--tiles-o 128] [--combiners 8]
        timeline_table.py BENCH_A BENCH_B ...   (stage times and step medians side by side, e.g. the ablation
        kernels of make_candidates.sh)
+       timeline_table.py --per-cta BENCH_OUTPUT   (a bench run with --v2-profile-cta: each CTA's gate/up and
+       down stage times at the marked layer, by the CTA's tile count, and the slowest CTAs with their SMs)
 """
 import argparse
 import os
@@ -110,15 +112,61 @@ def compare(paths, grid, counts):
         print("| step, ms (v2 median) | " + " | ".join(f"{v:.3f}" if v else "-" for v in step) + " |")
 
 
+# Per-CTA slots of the timeline kernel (timeline.patch): event times in cycles since the CTA's start, and
+# values stored at the marked layer.
+SLOT_G_SEEN, SLOT_G_DONE, SLOT_D_SEEN, SLOT_D_DONE = 7, 8, 9, 10
+SLOT_SM, SLOT_G_TILES, SLOT_D_TILES = 24, 25, 26
+
+
+def parse_per_cta(path):
+    """The per-CTA tables of a --v2-profile-cta bench: [(shape, clock_khz, [[slot values] per CTA])]."""
+    out, cur = [], None
+    for line in open(path):
+        m = re.match(r"^fused step profile per CTA, v2 \(dataflow\), (\d+ x \d+): .* at ([\d.]+) kHz", line)
+        if m:
+            cur = (m[1], float(m[2]), [])
+            out.append(cur)
+            continue
+        if cur and re.match(r"^\| \d+ \|", line):
+            cur[2].append([int(v) for v in line.strip().strip("|").split("|")[1:]])
+    if not out:
+        sys.exit(f"{path}: no per-CTA profile (run the bench with --v2-profile-cta)")
+    return out
+
+
+def per_cta_report(path):
+    for shape, khz, ctas in parse_per_cta(path):
+        us = lambda c: c / khz * 1e3  # noqa: E731
+        print(f"\n{shape}: gate/up and down at the marked layer, per CTA (us from the CTA's counter seen to its last tile)")
+        for stage, seen, done, tiles_slot in (("gate/up", SLOT_G_SEEN, SLOT_G_DONE, SLOT_G_TILES),
+                                              ("down", SLOT_D_SEEN, SLOT_D_DONE, SLOT_D_TILES)):
+            rows = [(i, c[SLOT_SM], c[tiles_slot], us(c[done] - c[seen])) for i, c in enumerate(ctas) if c[tiles_slot] > 0]
+            if not rows:
+                continue
+            print(f"\n| {stage}: tiles per CTA | CTAs | mean us | min | max |")
+            print("|---:|---:|---:|---:|---:|")
+            for n in sorted({r[2] for r in rows}):
+                d = [r[3] for r in rows if r[2] == n]
+                print(f"| {n} | {len(d)} | {sum(d) / len(d):.1f} | {min(d):.1f} | {max(d):.1f} |")
+            rows.sort(key=lambda r: -r[3])
+            print(f"\n{stage}, the 10 slowest CTAs: " + ", ".join(f"CTA {i} (SM {sm}, {n} tiles) {d:.1f}" for i, sm, n, d in rows[:10]))
+            print(f"{stage}, the 10 fastest CTAs: " + ", ".join(f"CTA {i} (SM {sm}, {n} tiles) {d:.1f}" for i, sm, n, d in rows[-10:]))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bench", nargs="+", help="one bench output, or several to compare side by side")
+    ap.add_argument("--per-cta", action="store_true", help="each CTA's gate/up and down times (--v2-profile-cta)")
     ap.add_argument("--grid", type=int, default=132)
     ap.add_argument("--items", type=int, default=72)
     ap.add_argument("--tiles-o", type=int, default=128)
     ap.add_argument("--combiners", type=int, default=8)
     args = ap.parse_args()
     counts = {"items": args.items, "tiles_o": args.tiles_o, "combiners": args.combiners}
+    if args.per_cta:
+        for path in args.bench:
+            per_cta_report(path)
+        return
     if len(args.bench) > 1:
         compare(args.bench, args.grid, counts)
         return

@@ -37,10 +37,12 @@
 //!
 //! cargo build --release -p specula-experiments --features cuda --bin gpu_fused_check
 //! Usage: gpu_fused_check [--quick] [--no-cooperative]
-//!        gpu_fused_check --bench [--context N] [--samples N] [--no-tune] [--seed N] [--no-cooperative] [--short [--v2-profile]]
+//!        gpu_fused_check --bench [--context N] [--samples N] [--no-tune] [--seed N] [--no-cooperative] [--short [--v2-profile [--v2-profile-cta]]]
 //! (`--short`: only the standard, the v1 and the v2 step, no profile (`--v2-profile`: v2's
-//! profile at 1 x 1 and 1 x 8 all the same); with SPECULA_FUSED_STEP_CU set to another fused_step.cu, an
-//! A/B of kernel versions in one device call, NOTES v0.12.)
+//! profile at 1 x 1 and 1 x 8 all the same; `--v2-profile-cta`: also every CTA's raw slots, for
+//! the timeline kernel's per-CTA events, `experiments/fused/timeline_table.py --per-cta`); with
+//! SPECULA_FUSED_STEP_CU set to another fused_step.cu, an A/B of kernel versions in one device call,
+//! NOTES v0.12.)
 
 #[path = "../../../verifier/tests/common/mod.rs"]
 mod common;
@@ -810,6 +812,9 @@ struct BenchArgs {
     short: bool,
     /// With `short`: v2's in-kernel profile at 1 x 1 and 1 x 8 all the same.
     v2_profile: bool,
+    /// With `v2_profile`: also print every CTA's raw profile slots (the timeline kernel's event times
+    /// and values, which the mean / max summary cannot show).
+    v2_profile_cta: bool,
 }
 
 struct Variant {
@@ -972,6 +977,7 @@ fn bench(args: BenchArgs) -> Result<()> {
     // (b, t, per variant (median, p90), fused vs standard logits)
     let mut table = Vec::new();
     let mut profiles = Vec::new();
+    let mut per_cta = Vec::new();
     for &b in &[1usize, 2, 4, 8] {
         for &t in &[1usize, 8] {
             gpu.set_step_backend(StepBackend::Standard)?;
@@ -1066,6 +1072,9 @@ fn bench(args: BenchArgs) -> Result<()> {
                 if let Some(prof) = gpu.fused_profile(b * t, t)? {
                     if prof.dataflow == dataflow {
                         profiles.push((prof.dataflow, b, t, prof.summary()));
+                        if dataflow && args.v2_profile_cta {
+                            per_cta.push((b, t, prof.clock_khz, prof.per_cta.clone()));
+                        }
                     }
                 }
                 for &s in &seqs {
@@ -1133,6 +1142,28 @@ fn bench(args: BenchArgs) -> Result<()> {
             println!();
         }
     }
+    for (b, t, clock_khz, ctas) in &per_cta {
+        println!(
+            "\nfused step profile per CTA, v2 (dataflow), {b} x {t}: raw slot values (clock64 cycles at {clock_khz:.0} kHz, or the values the kernel stored)"
+        );
+        print!("| cta |");
+        for slot in 0..specula_model::gpu::fused::PROF_SLOTS {
+            print!(" {slot} |");
+        }
+        println!();
+        print!("|---:|");
+        for _ in 0..specula_model::gpu::fused::PROF_SLOTS {
+            print!("---:|");
+        }
+        println!();
+        for (cta, slots) in ctas.iter().enumerate() {
+            print!("| {cta} |");
+            for v in slots {
+                print!(" {v} |");
+            }
+            println!();
+        }
+    }
     Ok(())
 }
 
@@ -1159,7 +1190,10 @@ fn main() -> Result<()> {
             seed: value("--seed")?.unwrap_or(7),
             cooperative,
             short: args.iter().any(|a| a == "--short"),
-            v2_profile: args.iter().any(|a| a == "--v2-profile"),
+            v2_profile: args
+                .iter()
+                .any(|a| a == "--v2-profile" || a == "--v2-profile-cta"),
+            v2_profile_cta: args.iter().any(|a| a == "--v2-profile-cta"),
         });
     }
     check(args.iter().any(|a| a == "--quick"), cooperative)
