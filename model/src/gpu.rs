@@ -1272,7 +1272,8 @@ impl GpuTransformer {
     /// `FusedShapes::Measured`'s timing of a step shape not timed yet, on the inputs `run` has just
     /// copied to the device: each backend's graph of the shape is captured (where the shape has
     /// graphs and they work), then samples of a few back-to-back launches alternate between the
-    /// backends, timed by CUDA events; medians after warm-up samples. Every launch rewrites the same
+    /// backends, timed by CUDA events; medians after warm-up samples, as many as
+    /// `ShapeTimingPlan::DEFAULT` needs to tell the backends apart. Every launch rewrites the same
     /// cache slots from the same inputs, so the step's own launch afterwards (`run`, on the backend
     /// that won) leaves the state as a single step would. Direct steps are timed as they run,
     /// host launch gaps included.
@@ -1282,9 +1283,7 @@ impl GpuTransformer {
         rows: usize,
         n_logits: usize,
     ) -> Result<ShapeTiming, ModelError> {
-        const WARMUP: usize = 2;
-        const SAMPLES: usize = 7;
-        const PER_SAMPLE: usize = 4;
+        let plan = fused::ShapeTimingPlan::DEFAULT;
         let s = self.device.stream.clone();
         let key_of = |this: &Self, fused: bool| {
             graph_shape.map(|(b, t, lg)| (b, t, lg, this.step_taps.clone(), fused))
@@ -1307,31 +1306,30 @@ impl GpuTransformer {
         let start = self.device.ctx.new_event(flags).map_err(gpu)?;
         let end = self.device.ctx.new_event(flags).map_err(gpu)?;
         let mut ms: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
-        for sample in 0..WARMUP + SAMPLES {
+        for sample in 0..plan.warmup + plan.max_samples {
             for fused in [false, true] {
                 self.fused.set_this_step(fused);
                 let key = key_of(self, fused).filter(|k| self.graphs.contains_key(k));
                 start.record(&s).map_err(gpu)?;
-                for _ in 0..PER_SAMPLE {
+                for _ in 0..plan.per_sample {
                     match &key {
                         Some(k) => self.graphs[k].0.launch().map_err(gpu)?,
                         None => self.encode(rows, n_logits)?,
                     }
                 }
                 end.record(&s).map_err(gpu)?;
-                let t = start.elapsed_ms(&end).map_err(gpu)? as f64 / PER_SAMPLE as f64;
-                if sample >= WARMUP {
+                let t = start.elapsed_ms(&end).map_err(gpu)? as f64 / plan.per_sample as f64;
+                if sample >= plan.warmup {
                     ms[fused as usize].push(t);
                 }
             }
+            if plan.settled(&ms[0], &ms[1]) {
+                break;
+            }
         }
-        let median = |v: &mut Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2]
-        };
         Ok(ShapeTiming {
-            standard_ms: median(&mut ms[0]),
-            fused_ms: median(&mut ms[1]),
+            standard_ms: fused::median_ms(&ms[0]),
+            fused_ms: fused::median_ms(&ms[1]),
         })
     }
 

@@ -209,6 +209,55 @@ impl ShapeTiming {
     }
 }
 
+/// How `FusedShapes::Measured` times a new shape (`GpuTransformer::time_both_backends`): `warmup`
+/// untimed samples, then timed samples of `per_sample` back-to-back launches per backend, at least
+/// `min_samples` and at most `max_samples`, stopping as soon as the medians differ by more than
+/// `settle_margin` (relative). Every timing stalls the step that meets the shape: at a 4000-token
+/// prompt the old fixed schedule (2 + 7 samples of 4 launches per backend) cost one request 200-500 ms
+/// per new shape (NOTES v0.24), and most shapes differ by 10% or more (0.87x-2.04x there).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ShapeTimingPlan {
+    pub warmup: usize,
+    pub min_samples: usize,
+    pub max_samples: usize,
+    pub per_sample: usize,
+    pub settle_margin: f64,
+}
+
+impl ShapeTimingPlan {
+    pub const DEFAULT: ShapeTimingPlan = ShapeTimingPlan {
+        warmup: 1,
+        min_samples: 3,
+        max_samples: 7,
+        per_sample: 2,
+        settle_margin: 0.10,
+    };
+
+    /// Whether the timed samples so far (one per backend per sample, in order) decide the shape: at
+    /// least `min_samples` each and the medians more than `settle_margin` apart, or `max_samples`.
+    pub fn settled(&self, standard_ms: &[f64], fused_ms: &[f64]) -> bool {
+        let n = standard_ms.len().min(fused_ms.len());
+        if n >= self.max_samples {
+            return true;
+        }
+        if n < self.min_samples {
+            return false;
+        }
+        let (s, f) = (median_ms(standard_ms), median_ms(fused_ms));
+        (f - s).abs() > self.settle_margin * s.min(f)
+    }
+}
+
+/// The median of a sample (the upper one of an even count), 0 for none.
+pub fn median_ms(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 /// What `fused_decision` decided for the step being launched.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum FusedDecision {
@@ -1485,6 +1534,27 @@ impl GpuTransformer {
 mod tests {
     use super::*;
     use crate::random::preset;
+
+    #[test]
+    fn a_shape_timing_stops_once_the_backends_differ_clearly() {
+        let plan = ShapeTimingPlan::DEFAULT;
+        // Too few samples: never settled, however far apart.
+        assert!(!plan.settled(&[2.6, 2.6], &[5.3, 5.3]));
+        // 2.04x apart after the minimum: settled.
+        assert!(plan.settled(&[2.6, 2.6, 2.6], &[5.3, 5.4, 5.3]));
+        // Either direction.
+        assert!(plan.settled(&[2.6, 2.7, 2.6], &[2.3, 2.3, 2.4]));
+        // Within the margin (1.002x, 0.961x): keep sampling until the maximum.
+        assert!(!plan.settled(&[2.56, 2.56, 2.57], &[2.57, 2.56, 2.57]));
+        assert!(!plan.settled(&[2.76, 2.76, 2.75, 2.77], &[2.65, 2.66, 2.65, 2.65]));
+        let seven = [2.56; 7];
+        assert!(plan.settled(&seven, &[2.57; 7]));
+        // The medians decide, not one outlier.
+        assert!(!plan.settled(&[2.6, 2.6, 2.6], &[2.6, 9.0, 2.61]));
+        assert_eq!(median_ms(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median_ms(&[4.0, 1.0, 2.0, 3.0]), 3.0);
+        assert_eq!(median_ms(&[]), 0.0);
+    }
 
     fn llama() -> ModelConfig {
         preset("llama3.2-1b").unwrap()
