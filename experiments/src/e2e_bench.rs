@@ -25,7 +25,7 @@
 //! every smaller block; the short runs make each of those shapes run before timing. They end where the
 //! timed runs end (`tail_context`), in the same context bucket: there each shape's CUDA graph is
 //! captured, and `latency_specialized` with measured shapes times it against the standard step (a
-//! one-time cost per shape and context bucket, 200-700 ms per run at a 4000-token prompt when it fell in
+//! one-time cost per shape and context bucket, 200-500 ms per run at a 4000-token prompt when it fell in
 //! timed runs: NOTES v0.24).
 //!
 //! Per-user tokens/s is the engine's own measure (`GenerationStats::decode_tokens_per_s`, summarised

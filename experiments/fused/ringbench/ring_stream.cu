@@ -61,6 +61,18 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
                  : "memory");
 }
 
+// Thread 0 sets up each slot's full and empty barriers (one arrival each); then the whole CTA syncs.
+__device__ void init_ring(unsigned long long* full, unsigned long long* empty, int slots) {
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < slots; ++s) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], 1);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+}
+
 // All CTAs arrive, then wait for all: the counter only grows (zeroed by the host before each launch).
 __device__ void grid_barrier(unsigned long long* ctr, unsigned long long target) {
     __threadfence();
@@ -88,14 +100,7 @@ __global__ void ring_kernel(const unsigned char* w, int slots, int slot_bytes, i
     extern __shared__ __align__(128) unsigned char ring[];
     __shared__ unsigned long long full[32], empty[32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < slots; ++s) {
-            mbar_init(&full[s], 1);
-            mbar_init(&empty[s], 1);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
+    init_ring(full, empty, slots);
     const int per_burst = burst_bytes / slot_bytes;
     const int chunks = per_burst * bursts;
     auto chunk_src = [&](int i) {
@@ -161,14 +166,7 @@ __global__ void kring_kernel(const unsigned char* w, int slots, int tiles, int u
     }
     const size_t burst_stride = (size_t)tile_bytes * (uniform ? (size_t)tiles * gridDim.x : (size_t)tiles);
     const int per_burst = t1 - t0, chunks = per_burst * bursts;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < slots; ++s) {
-            mbar_init(&full[s], 1);
-            mbar_init(&empty[s], 1);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
+    init_ring(full, empty, slots);
     if (warp == 8) {
         if (lane == 0) {
             for (int i = 0; i < chunks; ++i) {
