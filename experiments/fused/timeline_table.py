@@ -143,14 +143,23 @@ def per_cta_report(path):
             rows = [(i, c[SLOT_SM], c[tiles_slot], us(c[done] - c[seen])) for i, c in enumerate(ctas) if c[tiles_slot] > 0]
             if not rows:
                 continue
+            # When each CTA saw the counter, against the median CTA (cycles since each CTA's start: CTAs of
+            # one cooperative launch start within ~1 us of each other).
+            seen_us = sorted(us(ctas[i][seen]) for i, *_ in rows)
+            med = seen_us[len(seen_us) // 2]
+            late = {i: us(ctas[i][seen]) - med for i, *_ in rows}
+            print(f"\n{stage}: counter seen {seen_us[0] - med:+.1f} to {seen_us[-1] - med:+.1f} us around the median CTA")
             print(f"\n| {stage}: tiles per CTA | CTAs | mean us | min | max |")
             print("|---:|---:|---:|---:|---:|")
             for n in sorted({r[2] for r in rows}):
                 d = [r[3] for r in rows if r[2] == n]
                 print(f"| {n} | {len(d)} | {sum(d) / len(d):.1f} | {min(d):.1f} | {max(d):.1f} |")
             rows.sort(key=lambda r: -r[3])
-            print(f"\n{stage}, the 10 slowest CTAs: " + ", ".join(f"CTA {i} (SM {sm}, {n} tiles) {d:.1f}" for i, sm, n, d in rows[:10]))
-            print(f"{stage}, the 10 fastest CTAs: " + ", ".join(f"CTA {i} (SM {sm}, {n} tiles) {d:.1f}" for i, sm, n, d in rows[-10:]))
+            fmt = lambda r: f"CTA {r[0]} (SM {r[1]}, {r[2]} tiles, seen {late[r[0]]:+.1f}) {r[3]:.1f}"  # noqa: E731
+            print(f"\n{stage}, the 10 slowest CTAs: " + ", ".join(fmt(r) for r in rows[:10]))
+            print(f"{stage}, the 10 fastest CTAs: " + ", ".join(fmt(r) for r in rows[-10:]))
+            by_sm = sorted(rows, key=lambda r: r[1])
+            print(f"{stage}, us by SM (SM:us): " + " ".join(f"{r[1]}:{r[3]:.0f}" for r in by_sm))
 
 
 def main():
