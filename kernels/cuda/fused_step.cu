@@ -973,6 +973,13 @@ fused_forward_x2(const FusedParams* __restrict__ params, int rows, int n_logits,
 #define FV2_CTR_WORDS 16  // u64 words between counters (each on its own 128-byte line)
 #define FV2_XS_PAD 64
 #define FV2_SPIN_LIMIT (1u << 26)
+// Weight copies the producer warp keeps in flight at once (the ring still holds `stages` chunks ahead;
+// it fills one copy at a time). With every slot in flight, 132 CTAs queued ~25 MB of copies against the
+// ~3 MB that the read bandwidth needs: which SM's copies came back first varied 2x from step to step,
+// and every dependent round trip of the skeleton (counters, staging) waited behind the queue. One copy
+// at a time: -5.0% at 1 x 1, -1.7 to -4.4% at the other v2 shapes, the gate/up spread within a tile
+// count 2x -> 1.4x (H100, NOTES v0.26; 2 in flight gained only 1-3%).
+#define FV2_MAX_INFLIGHT 1
 
 // The 8 consumer warps' barrier (named barrier 1): the producer warp (warp 8) never joins it.
 __device__ __forceinline__ void fv2_sync() { asm volatile("bar.sync 1, %0;" ::"n"(FUSED_THREADS) : "memory"); }
@@ -1850,9 +1857,22 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
         // released its previous chunk, then leaves (the consumers synchronise among themselves only).
         if (work) {
             fv2_producer_seek(p, q, 0);
+            // At most FV2_MAX_INFLIGHT copies in flight: before issuing copy n, wait until copy
+            // n - FV2_MAX_INFLIGHT has landed (its full barrier; that slot is not refilled before copy
+            // n - FV2_MAX_INFLIGHT + stages > n, so its phase is still the one waited for).
+            int w_slot = 0;
+            unsigned int w_parity = 0u, issued = 0u;
             while (q.phase < q.phases) {
                 if (q.laps > 0) fused_mbar_wait(&ring_empty[q.slot], (q.laps - 1u) & 1u);
+                if (FV2_MAX_INFLIGHT < stages && issued >= (unsigned)FV2_MAX_INFLIGHT) {
+                    fused_mbar_wait(&ring_bars[w_slot], w_parity);
+                    if (++w_slot == stages) {
+                        w_slot = 0;
+                        w_parity ^= 1u;
+                    }
+                }
                 fv2_producer_issue(p, q, ring);
+                ++issued;
             }
         }
         return;
