@@ -11,8 +11,7 @@ out=${1:-$root/.carry/pack/candidates}
 mkdir -p "$out"
 list=(
   "attn_vbg attn_vbg"
-  "infl1 inflight FV2_MAX_INFLIGHT=1"
-  "infl2 inflight FV2_MAX_INFLIGHT=2"
+  "inflq inflq"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
@@ -23,8 +22,6 @@ ablations=(
   "tl_nomma timeline ablation FV2_ABLATE=2"
   "tl_skeleton timeline ablation FV2_ABLATE=3"
   "tl_stream timeline ablation FV2_ABLATE=6"
-  "tl_infl1 timeline inflight FV2_MAX_INFLIGHT=1"
-  "tl_infl2 timeline inflight FV2_MAX_INFLIGHT=2"
 )
 # build DIR "NAME ITEM...": a copy of fused_step.cu with each ITEM applied in order (a patch under
 # candidates/ or, failing that, beside this script; or a DEFINE=VALUE edit).
