@@ -955,7 +955,8 @@ fused_forward_x2(const FusedParams* __restrict__ params, int rows, int n_logits,
 // 1 x 1, NOTES v0.14). A CTA is 8 consumer warps (threads 0-255: every stage's work, synchronised by
 // named barrier 1, fv2_sync) plus one producer warp (warp 8) that only walks this CTA's whole chunk
 // sequence across stages and layers: it waits for a slot's release (the `empty` mbarrier, arrived by
-// consumer thread 0 after the CTA is done with the slot) and issues the next copy. So during a counter
+// consumer thread 0 after the CTA is done with the slot) and for its previous copy to land
+// (FV2_MAX_INFLIGHT), and issues the next copy. So during a counter
 // wait the next stage's weights keep landing, and issuing a copy (~1 us per 64 KB copy while the copy
 // engine is busy, measured) never stalls the consumers (issued by consumer warp 0, it cost 18-24%).
 //
