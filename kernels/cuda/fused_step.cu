@@ -976,10 +976,10 @@ fused_forward_x2(const FusedParams* __restrict__ params, int rows, int n_logits,
 #define FV2_SPIN_LIMIT (1u << 26)
 // Weight copies the producer warp keeps in flight at once (the ring still holds `stages` chunks ahead;
 // it fills one copy at a time). With every slot in flight, 132 CTAs queued ~25 MB of copies against the
-// ~3 MB that the read bandwidth needs: which SM's copies came back first varied 2x from step to step,
-// and every dependent round trip of the skeleton (counters, staging) waited behind the queue. One copy
-// at a time: -5.0% at 1 x 1, -1.7 to -4.4% at the other v2 shapes, the gate/up spread within a tile
-// count 2x -> 1.4x (H100, NOTES v0.26; 2 in flight gained only 1-3%).
+// ~3 MB that the read bandwidth needs, and how long a CTA took to stream its gate/up tiles varied 2x
+// from CTA to CTA and step to step. One copy at a time: -5.0% at 1 x 1, -1.7 to -4.4% at the other v2
+// shapes, that spread 2x -> 1.4x (H100, NOTES v0.26; 2 in flight gained only 0.8-3.2%). It costs the
+// QKV and O stages ~1 us each: the ring refills more slowly through a counter wait.
 #define FV2_MAX_INFLIGHT 1
 
 // The 8 consumer warps' barrier (named barrier 1): the producer warp (warp 8) never joins it.
