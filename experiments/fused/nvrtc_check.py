@@ -15,7 +15,8 @@ for path in sys.argv[1:]:
     src = (decoder + "\n" + open(path).read()).encode()
     prog = ctypes.c_void_p()
     assert nv.nvrtcCreateProgram(ctypes.byref(prog), src, path.encode(), 0, None, None) == 0
-    opts = [b"--gpu-architecture=sm_90", b"-std=c++17"]
+    # The options kernels/src/cuda/mod.rs compile_uncached gives NVRTC (through cudarc's CompileOptions).
+    opts = [b"--ftz=false", b"--prec-sqrt=true", b"--prec-div=true", b"--gpu-architecture=sm_90"]
     arr = (ctypes.c_char_p * len(opts))(*opts)
     rc = nv.nvrtcCompileProgram(prog, len(opts), arr)
     n = ctypes.c_size_t()
