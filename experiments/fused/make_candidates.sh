@@ -12,6 +12,9 @@ mkdir -p "$out"
 list=(
   "attn_vbg attn_vbg"
   "inflq inflq"
+  "half1 half FV2_HALF_CAP=1"
+  "half2 half FV2_HALF_CAP=2"
+  "half3 half FV2_HALF_CAP=3"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
