@@ -15,6 +15,8 @@ list=(
   "half1 half FV2_HALF_CAP=1"
   "half2 half FV2_HALF_CAP=2"
   "half3 half FV2_HALF_CAP=3"
+  "quart1 parts FV2_PARTS=4 FV2_HALF_CAP=1"
+  "quart2 parts FV2_PARTS=4 FV2_HALF_CAP=2"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
