@@ -11,12 +11,8 @@ out=${1:-$root/.carry/pack/candidates}
 mkdir -p "$out"
 list=(
   "attn_vbg attn_vbg"
-  "inflq inflq"
-  "half1 half FV2_HALF_CAP=1"
-  "half2 half FV2_HALF_CAP=2"
-  "half3 half FV2_HALF_CAP=3"
-  "quart1 parts FV2_PARTS=4 FV2_HALF_CAP=1"
-  "quart2 parts FV2_PARTS=4 FV2_HALF_CAP=2"
+  "quart1 FV2_PARTS=4"
+  "quart2 FV2_PARTS=4 FV2_MAX_INFLIGHT=2"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
