@@ -11,8 +11,9 @@ out=${1:-$root/.carry/pack/candidates}
 mkdir -p "$out"
 list=(
   "attn_vbg attn_vbg"
-  "quart1 FV2_PARTS=4"
-  "quart2 FV2_PARTS=4 FV2_MAX_INFLIGHT=2"
+  "split1 split"
+  "quart1 split FV2_PARTS=4"
+  "quart2 split FV2_PARTS=4 FV2_MAX_INFLIGHT=2"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
