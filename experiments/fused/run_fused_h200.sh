@@ -21,7 +21,8 @@
 # ab (candidate kernels: every NAME.cu under $AB_DIR, default .carry/pack/candidates, or those named in
 # $AB_ONLY (space-separated), loaded through
 # SPECULA_FUSED_STEP_CU: `gpu_fused_check --bench --short --v2-profile` for the shipped kernel and every
-# candidate, then `gpu_fused_check --quick` for every candidate (AB_CHECK=0: benches only; the bench
+# candidate, then `gpu_fused_check --quick` for every candidate (AB_CHECK=0: benches only; AB_CHECK="a b": only
+# those candidates' checks; the bench
 # itself compares each kernel's logits with the standard step's at every shape); logs in $OUT/ab/, a summary table in
 # $OUT/ab/summary.txt). Make the candidates here, where `patch` is known to exist:
 # experiments/fused/make_candidates.sh (its list says which patches and #define edits make each).
@@ -79,7 +80,9 @@ if has ab; then
     # AB_ONLY="a b": only those candidates (one pack split over several calls of the 600 s limit).
     if [[ -n ${AB_ONLY:-} && " $AB_ONLY " != *" $name "* ]]; then continue; fi
     { header; SPECULA_FUSED_STEP_CU=$src timeout 200 "$bin/gpu_fused_check" --bench --short --v2-profile; echo "exit $?"; } > "$out/ab/bench_$name.txt" 2>&1
-    if [[ ${AB_CHECK:-1} == 1 ]]; then
+    # AB_CHECK: 1 checks every candidate, 0 none, otherwise the names it lists (space-separated).
+    ab_check=${AB_CHECK:-1}
+    if [[ $ab_check == 1 || ( $ab_check != 0 && " $ab_check " == *" $name "* ) ]]; then
       { header; SPECULA_FUSED_STEP_CU=$src timeout 300 "$bin/gpu_fused_check" --quick; echo "exit $?"; } > "$out/ab/check_$name.txt" 2>&1
       grep -q "^exit 0$" "$out/ab/check_$name.txt" || status=1
     fi
