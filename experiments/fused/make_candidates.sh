@@ -15,6 +15,7 @@ list=(
   "quart1 split FV2_PARTS=4"
   "quart2 split FV2_PARTS=4 FV2_MAX_INFLIGHT=2"
   "headdeep split headdeep"
+  "nosleep split nosleep"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
