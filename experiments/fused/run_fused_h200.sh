@@ -20,9 +20,9 @@
 # so each bucket's timings are in its report),
 # ab (candidate kernels: every NAME.cu under $AB_DIR, default .carry/pack/candidates, or those named in
 # $AB_ONLY (space-separated), loaded through
-# SPECULA_FUSED_STEP_CU: `gpu_fused_check --bench --short --v2-profile` for the shipped kernel and every
-# candidate, then `gpu_fused_check --quick` for every candidate (AB_CHECK=0: benches only; AB_CHECK="a b": only
-# those candidates' checks; the bench
+# SPECULA_FUSED_STEP_CU: first `gpu_fused_check --quick` for every candidate (AB_CHECK=0: none; AB_CHECK="a b":
+# only those candidates' checks), then `gpu_fused_check --bench --short --v2-profile` for the shipped kernel and
+# every candidate (the bench
 # itself compares each kernel's logits with the standard step's at every shape); logs in $OUT/ab/, a summary table in
 # $OUT/ab/summary.txt). Make the candidates here, where `patch` is known to exist:
 # experiments/fused/make_candidates.sh (its list says which patches and #define edits make each).
@@ -70,22 +70,32 @@ if has bench; then
 fi
 if has ab; then
   mkdir -p "$out/ab"
-  { header; timeout 200 "$bin/gpu_fused_check" --bench --short --v2-profile; echo "exit $?"; } > "$out/ab/bench_shipped.txt" 2>&1
   ab_dir=${AB_DIR:-.carry/pack/candidates}
   ls "$ab_dir"/*.cu > /dev/null 2>&1 || { echo "ab: no candidate .cu files under $ab_dir" | tee "$out/ab/summary.txt"; status=1; }
+  # The candidates this call runs, as absolute paths (AB_ONLY="a b": only those, so one pack can be split
+  # over several calls of the 600 s limit).
+  ab_srcs=()
   for src in "$ab_dir"/*.cu; do
     [ -f "$src" ] || continue
-    src=$(cd "$(dirname "$src")" && pwd)/$(basename "$src")
     name=$(basename "$src" .cu)
-    # AB_ONLY="a b": only those candidates (one pack split over several calls of the 600 s limit).
     if [[ -n ${AB_ONLY:-} && " $AB_ONLY " != *" $name "* ]]; then continue; fi
-    { header; SPECULA_FUSED_STEP_CU=$src timeout 200 "$bin/gpu_fused_check" --bench --short --v2-profile; echo "exit $?"; } > "$out/ab/bench_$name.txt" 2>&1
-    # AB_CHECK: 1 checks every candidate, 0 none, otherwise the names it lists (space-separated).
-    ab_check=${AB_CHECK:-1}
+    ab_srcs+=("$(cd "$(dirname "$src")" && pwd)/$(basename "$src")")
+  done
+  # The checks first (AB_CHECK: 1 checks every candidate, 0 none, otherwise the names it lists): a
+  # candidate is adopted only after its check, so a call cut short by the time limit, or by the device
+  # time left, should lose benches rather than the check.
+  ab_check=${AB_CHECK:-1}
+  for src in ${ab_srcs[@]+"${ab_srcs[@]}"}; do
+    name=$(basename "$src" .cu)
     if [[ $ab_check == 1 || ( $ab_check != 0 && " $ab_check " == *" $name "* ) ]]; then
       { header; SPECULA_FUSED_STEP_CU=$src timeout 300 "$bin/gpu_fused_check" --quick; echo "exit $?"; } > "$out/ab/check_$name.txt" 2>&1
       grep -q "^exit 0$" "$out/ab/check_$name.txt" || status=1
     fi
+  done
+  { header; timeout 200 "$bin/gpu_fused_check" --bench --short --v2-profile; echo "exit $?"; } > "$out/ab/bench_shipped.txt" 2>&1
+  for src in ${ab_srcs[@]+"${ab_srcs[@]}"}; do
+    name=$(basename "$src" .cu)
+    { header; SPECULA_FUSED_STEP_CU=$src timeout 200 "$bin/gpu_fused_check" --bench --short --v2-profile; echo "exit $?"; } > "$out/ab/bench_$name.txt" 2>&1
   done
   # Fused median ms per shape, one column per kernel; and each candidate's parity verdict.
   python3 - "$out/ab" > "$out/ab/summary.txt" <<'PY'
