@@ -3,7 +3,7 @@
 mirrored in Python: every (sequence, KV head, split) is run by exactly one item, and each new position is
 appended to the cache by exactly one item, for random steps; then the group and item counts at the
 bench shapes (256 cached positions, 8 KV heads, 132 CTAs). Usage: attgrp_coverage.py"""
-import itertools, random
+import random
 ATT=32; MAXS=32
 def fsplits(keys): return min(MAXS,(keys+ATT-1)//ATT)
 def group(splits,nkv,grid):
@@ -25,7 +25,7 @@ def coords(item,splits,nkv,g):
 random.seed(1)
 for trial in range(3000):
     nseq=random.randint(1,8); nkv=random.choice([2,8]); grid=random.choice([132,114,78])
-    rows=[random.randint(1,16//nseq if nseq<=16 else 1) for _ in range(nseq)]
+    rows=[random.randint(1,16//nseq) for _ in range(nseq)]  # <= 16 rows in all
     pos0=[random.randint(0,5000) for _ in range(nseq)]
     splits=[fsplits(p+r) for p,r in zip(pos0,rows)]
     g,items=group(splits,nkv,grid)
