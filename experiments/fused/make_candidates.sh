@@ -11,12 +11,7 @@ out=${1:-$root/.carry/pack/candidates}
 mkdir -p "$out"
 list=(
   "attn_vbg attn_vbg"
-  "split1 split"
-  "quart1 split FV2_PARTS=4"
-  "quart2 split FV2_PARTS=4 FV2_MAX_INFLIGHT=2"
-  "headdeep split headdeep"
-  "nosleep split nosleep"
-  "attgrp split attgrp"
+  "attgrp attgrp"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that

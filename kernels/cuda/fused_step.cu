@@ -950,13 +950,13 @@ fused_forward_x2(const FusedParams* __restrict__ params, int rows, int n_logits,
 // after D; act16: A -> O; ffn_act16: G -> D; x: O and D write, G and the next Q read), and no CTA can
 // start a stage's item before the previous stage is complete.
 //
-// Weights: the ring of v1, in 64 KB slots of one 16-row tile x up to FV2_CHUNK_K columns (one bulk copy
-// when K <= FV2_CHUNK_K, else 16 row copies; 32 KB slots with two copies per tile measured 6% slower at
-// 1 x 1, NOTES v0.14). A CTA is 8 consumer warps (threads 0-255: every stage's work, synchronised by
-// named barrier 1, fv2_sync) plus one producer warp (warp 8) that only walks this CTA's whole chunk
-// sequence across stages and layers: it waits for a slot's release (the `empty` mbarrier, arrived by
-// consumer thread 0 after the CTA is done with the slot) and for its previous copy to land
-// (FV2_MAX_INFLIGHT), and issues the next copy. So during a counter
+// Weights: the ring of v1, in 64 KB slots of one 16-row tile x up to FV2_CHUNK_K columns, each slot filled by
+// FV2_PARTS copies of its rows (one bulk copy per part when K <= FV2_CHUNK_K, else one per row; 32 KB slots
+// of half a tile's columns measured 6% slower at 1 x 1, NOTES v0.14). A CTA is 8 consumer warps (threads
+// 0-255: every stage's work, synchronised by named barrier 1, fv2_sync) plus one producer warp (warp 8)
+// that only walks this CTA's whole chunk sequence across stages and layers: it waits for a slot's release
+// (the `empty` mbarrier, arrived by consumer thread 0 after the CTA is done with the slot) and for the
+// copy FV2_MAX_INFLIGHT back to land, and issues the next part copy. So during a counter
 // wait the next stage's weights keep landing, and issuing a copy (~1 us per 64 KB copy while the copy
 // engine is busy, measured) never stalls the consumers (issued by consumer warp 0, it cost 18-24%).
 //
@@ -974,12 +974,17 @@ fused_forward_x2(const FusedParams* __restrict__ params, int rows, int n_logits,
 #define FV2_CTR_WORDS 16  // u64 words between counters (each on its own 128-byte line)
 #define FV2_XS_PAD 64
 #define FV2_SPIN_LIMIT (1u << 26)
-// Weight copies the producer warp keeps in flight at once (the ring still holds `stages` chunks ahead;
-// it fills one copy at a time). With every slot in flight, 132 CTAs queued ~25 MB of copies against the
-// ~3 MB that the read bandwidth needs, and how long a CTA took to stream its gate/up tiles varied 2x
-// from CTA to CTA and step to step. One copy at a time: -5.0% at 1 x 1, -1.7 to -4.4% at the other v2
-// shapes, that spread 2x -> 1.4x (H100, NOTES v0.26; 2 in flight gained only 0.8-3.2%). It costs the
-// QKV and O stages ~1 us each: the ring refills more slowly through a counter wait.
+// Weight copies in flight. The producer fills each 64 KB slot with FV2_PARTS copies of FV2_PART_ROWS rows
+// (32 KB each at K <= FV2_CHUNK_K), each on its own full barrier (bars[FV2_PARTS slot + part]; the consumers
+// wait for all of a slot's), and issues part copy n only after copy n - FV2_MAX_INFLIGHT has landed; the
+// ring still holds `stages` chunks ahead. Fewer bytes queued won at every step (H100, NOTES v0.26-v0.27):
+// with every slot in flight, 132 CTAs queued ~25 MB against the ~3 MB the read bandwidth needs, and a
+// CTA's gate/up time varied 2x from CTA to CTA and step to step; one 64 KB copy at a time was -5.0% at
+// 1 x 1; one 32 KB copy at a time (~4 MB over the grid) -4.0% more, -0.8 to -3.1% at the other k = 0
+// shapes. Keeping 64 KB in flight as two 32 KB copies, so the queue never empties, lost 1.2%: the queue's
+// depth, not the gap between copies, stretches the dependent round trips (counters, staging, residuals).
+#define FV2_PARTS 2
+#define FV2_PART_ROWS (16 / FV2_PARTS)
 #define FV2_MAX_INFLIGHT 1
 
 // The 8 consumer warps' barrier (named barrier 1): the producer warp (warp 8) never joins it.
@@ -1041,10 +1046,11 @@ __device__ void fv2_producer_seek(const FusedParams& p, Fv2Producer& q, int phas
     }
 }
 
-// Copies the next chunk (a tile's 16 rows, fewer at the end of a matrix) into its slot; past the end,
-// nothing. All 32 lanes of the producer warp call it with identical cursors: lane 0 sets the transaction
-// count, then one copy (lane 0) or one row copy per lane.
-__device__ void fv2_producer_issue(const FusedParams& p, Fv2Producer& q, Fv2Ring& ring) {
+// Copies part `h` of the next chunk (rows FV2_PART_ROWS h .. of a tile's 16, fewer at the end of a matrix)
+// into its slot, on the part's own full barrier; past the end, nothing. All 32 lanes of the producer warp
+// call it with identical cursors: lane 0 sets the transaction count (0 bytes for a part past the matrix's
+// last row: the barrier completes at once), then one copy (lane 0) or one row copy per lane.
+__device__ void fv2_producer_issue_part(const Fv2Producer& q, Fv2Ring& ring, int h) {
     if (q.phase >= q.phases) return;
     const int lane = threadIdx.x & 31;
     const int slot = q.slot;
@@ -1053,17 +1059,22 @@ __device__ void fv2_producer_issue(const FusedParams& p, Fv2Producer& q, Fv2Ring
     const int width = min(FV2_CHUNK_K, q.K - k0);
     const int r0 = q.tile * 16;
     const int nrows = max(0, min(16, q.N - r0));
+    const int h0 = FV2_PART_ROWS * h, hrows = max(0, min(FV2_PART_ROWS, nrows - h0));
     const unsigned int bytes = (unsigned int)width * 2u;
-    if (lane == 0) fused_mbar_expect(&ring.bars[slot], bytes * (unsigned)nrows);
+    unsigned long long* bar = &ring.bars[FV2_PARTS * slot + h];
+    if (lane == 0) fused_mbar_expect(bar, bytes * (unsigned)hrows);
     __syncwarp();
     if (q.K <= FV2_CHUNK_K) {
-        if (lane == 0 && nrows > 0) {
-            fused_bulk_copy(dst, q.w + (size_t)r0 * q.K, bytes * (unsigned)nrows, &ring.bars[slot]);
+        if (lane == 0 && hrows > 0) {
+            fused_bulk_copy(dst + (size_t)h0 * bytes, q.w + (size_t)(r0 + h0) * q.K, bytes * (unsigned)hrows, bar);
         }
-    } else if (lane < nrows) {
-        fused_bulk_copy(dst + lane * (FV2_CHUNK_K * 2), q.w + (size_t)(r0 + lane) * q.K + k0, bytes,
-                        &ring.bars[slot]);
+    } else if (lane < hrows) {
+        fused_bulk_copy(dst + (h0 + lane) * (FV2_CHUNK_K * 2), q.w + (size_t)(r0 + h0 + lane) * q.K + k0, bytes,
+                        bar);
     }
+}
+// Moves the cursor to the next chunk (slot, column chunk, tile, then the next phase with tiles here).
+__device__ void fv2_producer_advance(const FusedParams& p, Fv2Producer& q, Fv2Ring& ring) {
     if (++q.slot == ring.stages) {
         q.slot = 0;
         ++q.laps;
@@ -1441,7 +1452,8 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
             const int xk0 = whole ? k0 : 0;
             const int s0 = slot;
             ts = fused_clock();
-            fused_mbar_wait(&ring.bars[s0], parity);
+#pragma unroll
+            for (int h = 0; h < FV2_PARTS; ++h) fused_mbar_wait(&ring.bars[FV2_PARTS * s0 + h], parity);
             fused_prof_add(20, ts);
             ts = fused_clock();
             const unsigned char* st0 = slots + (size_t)s0 * FV2_SLOT_BYTES;
@@ -1803,7 +1815,7 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
     __shared__ FusedParams P;
     __shared__ FusedLayer L;
     __shared__ Fv2Seqs sq;
-    __shared__ __align__(8) unsigned long long ring_bars[FV2_MAX_SLOTS];
+    __shared__ __align__(8) unsigned long long ring_bars[FV2_PARTS * FV2_MAX_SLOTS];
     __shared__ __align__(8) unsigned long long ring_empty[FV2_MAX_SLOTS];
     __shared__ unsigned long long epoch_s;
     if (threadIdx.x < sizeof(FusedParams) / 8) {
@@ -1847,7 +1859,7 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
     q.laps = 0;
     if (threadIdx.x == 0) {
         for (int i = 0; i < stages; ++i) {
-            fused_mbar_init(&ring_bars[i]);
+            for (int h = 0; h < FV2_PARTS; ++h) fused_mbar_init(&ring_bars[FV2_PARTS * i + h]);
             fused_mbar_init(&ring_empty[i]);
         }
         fused_mbar_init_fence();
@@ -1858,22 +1870,31 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
         // released its previous chunk, then leaves (the consumers synchronise among themselves only).
         if (work) {
             fv2_producer_seek(p, q, 0);
-            // At most FV2_MAX_INFLIGHT copies in flight: before issuing copy n, wait until copy
-            // n - FV2_MAX_INFLIGHT has landed (its full barrier; that slot is not refilled before copy
-            // n - FV2_MAX_INFLIGHT + stages > n, so its phase is still the one waited for).
-            int w_slot = 0;
+            // At most FV2_MAX_INFLIGHT part copies in flight: before issuing copy n, wait until copy
+            // n - FV2_MAX_INFLIGHT has landed. Part copies are waited for in issue order: copy i is part i % FV2_PARTS of slot
+            // (i / FV2_PARTS) % stages, its barrier's phase parity (i / FV2_PARTS / stages) & 1. Its barrier
+            // is not re-armed before copy i + FV2_PARTS stages, and the cap keeps the copy waited for
+            // within that distance of the one issued.
+            const unsigned int cap = (unsigned)min(FV2_MAX_INFLIGHT, FV2_PARTS * stages);
+            int w_slot = 0, w_h = 0;
             unsigned int w_parity = 0u, issued = 0u;
             while (q.phase < q.phases) {
                 if (q.laps > 0) fused_mbar_wait(&ring_empty[q.slot], (q.laps - 1u) & 1u);
-                if (FV2_MAX_INFLIGHT < stages && issued >= (unsigned)FV2_MAX_INFLIGHT) {
-                    fused_mbar_wait(&ring_bars[w_slot], w_parity);
-                    if (++w_slot == stages) {
-                        w_slot = 0;
-                        w_parity ^= 1u;
+                for (int h = 0; h < FV2_PARTS; ++h) {
+                    if (issued >= cap) {
+                        fused_mbar_wait(&ring_bars[FV2_PARTS * w_slot + w_h], w_parity);
+                        if (++w_h == FV2_PARTS) {
+                            w_h = 0;
+                            if (++w_slot == stages) {
+                                w_slot = 0;
+                                w_parity ^= 1u;
+                            }
+                        }
                     }
+                    fv2_producer_issue_part(q, ring, h);
+                    ++issued;
                 }
-                fv2_producer_issue(p, q, ring);
-                ++issued;
+                fv2_producer_advance(p, q, ring);
             }
         }
         return;
