@@ -1007,13 +1007,43 @@ __device__ __forceinline__ uint4 fv2_ldcg16(const unsigned short* p) {
 struct Fv2Seqs {
     int n;
     int first[FV2_MAX_ROWS], rows[FV2_MAX_ROWS], pos0[FV2_MAX_ROWS], splits[FV2_MAX_ROWS];
-    int items;  // attention items: sum over sequences of n_kv_heads x splits
+    int items;  // attention items: sum over sequences of n_kv_heads x ceil(splits / group)
+    int group;  // consecutive key splits of one (sequence, KV head) per item (fv2_attention_group)
 };
 
 // Key splits of a sequence with `keys` keys: <= FV2_ATT_KEYS keys each while that takes at most
 // FV2_MAX_SPLITS splits, more keys per split (several tiles) beyond.
 __device__ __forceinline__ int fv2_splits(int keys) {
     return min(FV2_MAX_SPLITS, (keys + FV2_ATT_KEYS - 1) / FV2_ATT_KEYS);
+}
+
+// Splits per attention item. An item runs `group` consecutive splits of one (sequence, KV head) one after
+// another, each with the same keys, the same order and its own partial as when it is an item alone, so
+// the grouping changes no bits (the splits still depend on the key count only). What it saves is each
+// item's fixed cost: the wait, the q/k/v head vectors, a barrier pair, the fence and the split counter's
+// atomic. At 8 x 1 (256 positions) the step has 576 one-tile items on 132 CTAs, 4-5 per CTA in turn; in
+// groups of 5 they are 128 items. The group minimises the splits the busiest CTA runs (group x rounds of
+// items), then the rounds; one split per item where that is already one round (1 x 1, 1 x 8).
+// Not inlined: inlined into the kernel its loop raised the kernel's spills from 12 to 40 bytes of stores
+// and 88 of loads (ptxas), and the first build with it inlined ran 1 x 1 and 1 x 8 2-3% slower than
+// without it (session 24, H100), though those shapes group nothing.
+__device__ __noinline__ int fv2_attention_group(const Fv2Seqs& sq, int n_kv_heads, int grid, int* items_out) {
+    int best_g = 1, best_cost = 0x7fffffff, best_rounds = 0x7fffffff, best_items = 0, max_splits = 1;
+    for (int i = 0; i < sq.n; ++i) max_splits = max(max_splits, sq.splits[i]);
+    for (int g = 1; g <= max_splits; ++g) {
+        int items = 0;
+        for (int i = 0; i < sq.n; ++i) items += n_kv_heads * ((sq.splits[i] + g - 1) / g);
+        const int rounds = (items + grid - 1) / grid;
+        const int cost = g * rounds;
+        if (cost < best_cost || (cost == best_cost && rounds < best_rounds)) {
+            best_g = g;
+            best_cost = cost;
+            best_rounds = rounds;
+            best_items = items;
+        }
+    }
+    *items_out = best_items;
+    return best_g;
 }
 
 struct Fv2Ring {
@@ -1567,7 +1597,7 @@ __device__ __forceinline__ void fv2_head(const FusedParams& p, const FusedLayer&
 // One attention item: sequence `s`, KV head `kvh`, key split `split`. Returns after the item's output
 // (one split) or partial (+ the combine when it is the last split to arrive) is written.
 __device__ __noinline__ void fv2_attention_item(const FusedParams& p, const FusedLayer& L, const Fv2Seqs& sq,
-                                                int s, int kvh, int split, float* smem, bool prefetched,
+                                                int s, int kvh, int split, int nsplit, float* smem, bool prefetched,
                                                 const unsigned long long* q_ctr, unsigned long long target,
                                                 bool* waited) {
     __shared__ int last_s;
@@ -1576,7 +1606,8 @@ __device__ __noinline__ void fv2_attention_item(const FusedParams& p, const Fuse
     const int rows = sq.rows[s], r0 = sq.first[s], pos0 = sq.pos0[s];
     const int keys = pos0 + rows, splits = sq.splits[s];
     const int per_split = (keys + splits - 1) / splits;
-    const int kb = split * per_split, ke = min(keys, kb + per_split);
+    // This item's key range: splits split .. split + nsplit - 1.
+    const int kb_item = split * per_split, ke_item = min(keys, (split + nsplit) * per_split);
     const int QV = rows * G;
     const int table_row = p.row_table[r0];
     float* kv_s = smem;
@@ -1588,9 +1619,11 @@ __device__ __noinline__ void fv2_attention_item(const FusedParams& p, const Fuse
     int* slot_s = reinterpret_cast<int*>(nkv_s + 2 * rows * hd);
     const int kv_dim = p.n_kv_heads * hd;
     // The first tile's cached keys before the wait (they do not depend on this step).
-    const int first_nk = min(FV2_ATT_KEYS, ke - kb);
-    const bool first_cached_only = kb + first_nk <= pos0;
-    if (!prefetched && first_cached_only) fv2_load_keys(p, L, table_row, pos0, kb, first_nk, kvh, kv_s, nkv_s, rows, slot_s);
+    const int first_nk = min(FV2_ATT_KEYS, min(keys, kb_item + per_split) - kb_item);
+    const bool first_cached_only = kb_item + first_nk <= pos0;
+    if (!prefetched && first_cached_only) {
+        fv2_load_keys(p, L, table_row, pos0, kb_item, first_nk, kvh, kv_s, nkv_s, rows, slot_s);
+    }
     if (!*waited) {
         const long long tw = fused_clock();
         fv2_wait(q_ctr, target);
@@ -1619,90 +1652,94 @@ __device__ __noinline__ void fv2_attention_item(const FusedParams& p, const Fuse
             for (int i = 0; i < per; ++i) nkv_s[(which * rows + r) * hd + lane + 32 * i] = v[i];
             // Append to the cache the positions of this item's key range (one writer per position).
             const int kp = pos0 + r;
-            if (kp >= kb && kp < ke) {
+            if (kp >= kb_item && kp < ke_item) {
                 float* dst = (which ? L.v_cache : L.k_cache) + (size_t)p.slots[row] * kv_dim + kvh * hd;
                 for (int i = 0; i < per; ++i) dst[lane + 32 * i] = v[i];
             }
         }
     }
-    for (int i = tid; i < QV; i += FUSED_THREADS) {
-        m_s[i] = SPECULA_NEG_INF;
-        l_s[i] = 0.0f;
-    }
-    for (int i = tid; i < QV * hd; i += FUSED_THREADS) acc_s[i] = 0.0f;
-    fv2_sync();
-    fused_prof_add(2, ta);
-    ta = fused_clock();
-    for (int kt = kb; kt < ke; kt += FV2_ATT_KEYS) {
-        const int nk = min(FV2_ATT_KEYS, ke - kt);
-        if (!(kt == kb && first_cached_only)) fv2_load_keys(p, L, table_row, pos0, kt, nk, kvh, kv_s, nkv_s, rows, slot_s);
-        fused_cp_async_wait(0);
+    const int pstride = hd + 2;  // a partial: hd outputs, m, l
+    for (int sp = split; sp < split + nsplit; ++sp) {
+        const int kb = sp * per_split, ke = min(keys, kb + per_split);
+        if (sp > split) fv2_sync();  // the previous split's partials are written (they read acc_s, m_s, l_s)
+        for (int i = tid; i < QV; i += FUSED_THREADS) {
+            m_s[i] = SPECULA_NEG_INF;
+            l_s[i] = 0.0f;
+        }
+        for (int i = tid; i < QV * hd; i += FUSED_THREADS) acc_s[i] = 0.0f;
         fv2_sync();
-        // Warp per query vector, lane per key: scores, online softmax, then lane per output dimension.
-        for (int qv = warp; qv < QV; qv += 8) {
-            const int rpos = pos0 + qv / G;
-            const bool valid = lane < nk && kt + lane <= rpos;
-            float sc = SPECULA_NEG_INF;
-            if (valid) {
-                const float* kr = kv_s + (size_t)lane * ks;
-                const float* qr = q_s + (size_t)qv * hd;
-                float d = 0.0f;
-                for (int c = 0; c < hd; c += 4) {
-                    const float4 a = *reinterpret_cast<const float4*>(qr + c);
-                    const float4 b = *reinterpret_cast<const float4*>(kr + c);
-                    d += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+        fused_prof_add(2, ta);
+        ta = fused_clock();
+        for (int kt = kb; kt < ke; kt += FV2_ATT_KEYS) {
+            const int nk = min(FV2_ATT_KEYS, ke - kt);
+            if (!(sp == split && kt == kb && first_cached_only)) fv2_load_keys(p, L, table_row, pos0, kt, nk, kvh, kv_s, nkv_s, rows, slot_s);
+            fused_cp_async_wait(0);
+            fv2_sync();
+            // Warp per query vector, lane per key: scores, online softmax, then lane per output dimension.
+            for (int qv = warp; qv < QV; qv += 8) {
+                const int rpos = pos0 + qv / G;
+                const bool valid = lane < nk && kt + lane <= rpos;
+                float sc = SPECULA_NEG_INF;
+                if (valid) {
+                    const float* kr = kv_s + (size_t)lane * ks;
+                    const float* qr = q_s + (size_t)qv * hd;
+                    float d = 0.0f;
+                    for (int c = 0; c < hd; c += 4) {
+                        const float4 a = *reinterpret_cast<const float4*>(qr + c);
+                        const float4 b = *reinterpret_cast<const float4*>(kr + c);
+                        d += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+                    }
+                    sc = d;
                 }
-                sc = d;
+                float mt = sc;
+                for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
+                const float m_old = m_s[qv];
+                const float m_new = fmaxf(m_old, mt);
+                if (m_new == SPECULA_NEG_INF) continue;  // no key of this tile is visible to the row (uniform)
+                const float e = valid ? expf(sc - m_new) : 0.0f;
+                float sum = e;
+                for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+                const float f = m_old == SPECULA_NEG_INF ? 0.0f : expf(m_old - m_new);
+                float a[8];
+                for (int i = 0; i < per; ++i) a[i] = acc_s[qv * hd + lane + 32 * i] * f;
+                const float* vs = kv_s + (size_t)FV2_ATT_KEYS * ks;
+                for (int j = 0; j < nk; ++j) {
+                    const float pj = __shfl_sync(0xffffffffu, e, j);
+                    for (int i = 0; i < per; ++i) a[i] += pj * vs[(size_t)j * ks + lane + 32 * i];
+                }
+                for (int i = 0; i < per; ++i) acc_s[qv * hd + lane + 32 * i] = a[i];
+                __syncwarp();
+                if (lane == 0) {
+                    m_s[qv] = m_new;
+                    l_s[qv] = l_s[qv] * f + sum;
+                }
             }
-            float mt = sc;
-            for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
-            const float m_old = m_s[qv];
-            const float m_new = fmaxf(m_old, mt);
-            if (m_new == SPECULA_NEG_INF) continue;  // no key of this tile is visible to the row (uniform)
-            const float e = valid ? expf(sc - m_new) : 0.0f;
-            float sum = e;
-            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-            const float f = m_old == SPECULA_NEG_INF ? 0.0f : expf(m_old - m_new);
-            float a[8];
-            for (int i = 0; i < per; ++i) a[i] = acc_s[qv * hd + lane + 32 * i] * f;
-            const float* vs = kv_s + (size_t)FV2_ATT_KEYS * ks;
-            for (int j = 0; j < nk; ++j) {
-                const float pj = __shfl_sync(0xffffffffu, e, j);
-                for (int i = 0; i < per; ++i) a[i] += pj * vs[(size_t)j * ks + lane + 32 * i];
-            }
-            for (int i = 0; i < per; ++i) acc_s[qv * hd + lane + 32 * i] = a[i];
-            __syncwarp();
-            if (lane == 0) {
-                m_s[qv] = m_new;
-                l_s[qv] = l_s[qv] * f + sum;
-            }
+            fv2_sync();  // kv_s is reloaded by the next tile; acc/m/l complete
         }
-        fv2_sync();  // kv_s is reloaded by the next tile; acc/m/l complete
-    }
-    fused_prof_add(5, ta);
-    ta = fused_clock();
-    // Output: one split writes act16 directly; several write partials [row][head][split][hd + 2] and the
-    // last to arrive combines them in split order.
-    if (splits == 1) {
-        for (int i = tid; i < QV * hd; i += FUSED_THREADS) {
-            const int qv = i / hd, d = i % hd;
+        fused_prof_add(5, ta);
+        ta = fused_clock();
+        // Output: one split writes act16 directly; several write partials [row][head][split][hd + 2] and the
+        // last to arrive combines them in split order.
+        if (splits == 1) {
+            for (int i = tid; i < QV * hd; i += FUSED_THREADS) {
+                const int qv = i / hd, d = i % hd;
+                const int row = r0 + qv / G, head = kvh * G + qv % G;
+                p.act16[(size_t)row * p.n_heads * hd + (size_t)head * hd + d] = f32_to_bf16(acc_s[i] / l_s[qv]);
+            }
+            return;
+        }
+        for (int i = tid; i < QV * pstride; i += FUSED_THREADS) {
+            const int qv = i / pstride, d = i % pstride;
             const int row = r0 + qv / G, head = kvh * G + qv % G;
-            p.act16[(size_t)row * p.n_heads * hd + (size_t)head * hd + d] = f32_to_bf16(acc_s[i] / l_s[qv]);
+            float* dst = p.attn_partials + (((size_t)row * p.n_heads + head) * FV2_MAX_SPLITS + sp) * pstride;
+            dst[d] = d < hd ? acc_s[qv * hd + d] : (d == hd ? m_s[qv] : l_s[qv]);
         }
-        return;
-    }
-    const int pstride = hd + 2;
-    for (int i = tid; i < QV * pstride; i += FUSED_THREADS) {
-        const int qv = i / pstride, d = i % pstride;
-        const int row = r0 + qv / G, head = kvh * G + qv % G;
-        float* dst = p.attn_partials + (((size_t)row * p.n_heads + head) * FV2_MAX_SPLITS + split) * pstride;
-        dst[d] = d < hd ? acc_s[qv * hd + d] : (d == hd ? m_s[qv] : l_s[qv]);
     }
     __threadfence();
     fv2_sync();
     if (tid == 0) {
-        const unsigned int done = atomicAdd(p.attn_counters + (size_t)s * p.n_kv_heads + kvh, 1u);
-        last_s = done == (unsigned int)(splits - 1);
+        const unsigned int done = atomicAdd(p.attn_counters + (size_t)s * p.n_kv_heads + kvh, (unsigned int)nsplit);
+        last_s = done + (unsigned int)nsplit == (unsigned int)splits;
     }
     fv2_sync();
     fused_prof_add(8, ta);
@@ -1789,16 +1826,20 @@ __device__ __noinline__ void fv2_attention_item(const FusedParams& p, const Fuse
     if (tid == 0) p.attn_counters[(size_t)s * p.n_kv_heads + kvh] = 0u;
 }
 
-// The (sequence, KV head, split) of attention item `item` (items are enumerated sequence by sequence).
+// The (sequence, KV head, first split, split count) of attention item `item` (items are enumerated
+// sequence by sequence, then KV head, then group of sq.group consecutive splits).
 __device__ __forceinline__ void fv2_attention_coords(const FusedParams& p, const Fv2Seqs& sq, int item, int* s, int* kvh,
-                                                     int* split) {
+                                                     int* split, int* nsplit) {
     int acc = 0;
+    const int g = sq.group;
     for (int i = 0; i < sq.n; ++i) {
-        const int cnt = p.n_kv_heads * sq.splits[i];
+        const int groups = (sq.splits[i] + g - 1) / g;
+        const int cnt = p.n_kv_heads * groups;
         if (item < acc + cnt) {
             *s = i;
-            *kvh = (item - acc) / sq.splits[i];
-            *split = (item - acc) % sq.splits[i];
+            *kvh = (item - acc) / groups;
+            *split = (item - acc) % groups * g;
+            *nsplit = min(g, sq.splits[i] - *split);
             return;
         }
         acc += cnt;
@@ -1806,6 +1847,7 @@ __device__ __forceinline__ void fv2_attention_coords(const FusedParams& p, const
     *s = 0;
     *kvh = 0;
     *split = 0;
+    *nsplit = 0;
 }
 
 template <int NT>
@@ -1848,8 +1890,8 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
         }
         for (int i = 0; i < sq.n; ++i) {
             sq.splits[i] = fv2_splits(sq.pos0[i] + sq.rows[i]);
-            sq.items += p.n_kv_heads * sq.splits[i];
         }
+        sq.group = fv2_attention_group(sq, p.n_kv_heads, (int)gridDim.x, &sq.items);
     }
     const int ring_offset = layout & 0xffffff, stages = layout >> 24;
     Fv2Ring ring = {fused_dyn + ring_offset, ring_bars, ring_empty, stages, 0, 0u};
@@ -1935,10 +1977,10 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
             const int first = (int)gridDim.x - 1 - (int)blockIdx.x;
             t = fused_clock();
             for (int item = first; item < sq.items; item += gridDim.x) {
-                int s, kvh, split;
-                fv2_attention_coords(p, sq, item, &s, &kvh, &split);
+                int s, kvh, split, nsplit;
+                fv2_attention_coords(p, sq, item, &s, &kvh, &split, &nsplit);
                 if (work && !(flags & FUSED_SKIP_ATTENTION)) {
-                    fv2_attention_item(p, L, sq, s, kvh, split, att, false, FV2_CTR(l, 0), target, &waited);
+                    fv2_attention_item(p, L, sq, s, kvh, split, nsplit, att, false, FV2_CTR(l, 0), target, &waited);
                 } else if (!waited) {
                     fv2_wait(FV2_CTR(l, 0), target);
                     waited = true;

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""attgrp.patch (fv2_attention_group, fv2_attention_coords, the cache-append range in fv2_attention_item)
+"""The fused kernel's attention item map (fv2_attention_group, fv2_attention_coords, the cache-append range in fv2_attention_item)
 mirrored in Python: every (sequence, KV head, split) is run by exactly one item, and each new position is
 appended to the cache by exactly one item, for random steps; then the group and item counts at the
-bench shapes (256 cached positions, 8 KV heads, 132 CTAs). Usage: attgrp_coverage.py"""
+bench shapes (256 cached positions, 8 KV heads, 132 CTAs). Usage: experiments/fused/attention_items_coverage.py"""
 import random
 ATT=32; MAXS=32
 def fsplits(keys): return min(MAXS,(keys+ATT-1)//ATT)
