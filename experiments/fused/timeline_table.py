@@ -117,6 +117,9 @@ def compare(paths, grid, counts):
 SLOT_G_SEEN, SLOT_G_DONE, SLOT_D_SEEN, SLOT_D_DONE = 7, 8, 9, 10
 SLOT_SM, SLOT_G_TILES, SLOT_D_TILES = 24, 25, 26
 SLOT_Q_SEEN = 1
+# fv2_gemm's staging marks (timeline.patch since session 24): activations staged, then the first chunk's
+# weights ready, for gate/up and down.
+SLOT_G_STAGED, SLOT_G_FIRST, SLOT_D_STAGED, SLOT_D_FIRST = 27, 28, 29, 30
 
 
 def parse_per_cta(path):
@@ -139,8 +142,9 @@ def per_cta_report(path):
     for shape, khz, ctas in parse_per_cta(path):
         us = lambda c: c / khz * 1e3  # noqa: E731
         print(f"\n{shape}: gate/up and down at the marked layer, per CTA (us from the CTA's counter seen to its last tile)")
-        for stage, seen, done, tiles_slot in (("gate/up", SLOT_G_SEEN, SLOT_G_DONE, SLOT_G_TILES),
-                                              ("down", SLOT_D_SEEN, SLOT_D_DONE, SLOT_D_TILES)):
+        for stage, seen, done, tiles_slot, staged, first in (
+                ("gate/up", SLOT_G_SEEN, SLOT_G_DONE, SLOT_G_TILES, SLOT_G_STAGED, SLOT_G_FIRST),
+                ("down", SLOT_D_SEEN, SLOT_D_DONE, SLOT_D_TILES, SLOT_D_STAGED, SLOT_D_FIRST)):
             rows = [(i, c[SLOT_SM], c[tiles_slot], us(c[done] - c[seen])) for i, c in enumerate(ctas) if c[tiles_slot] > 0]
             if not rows:
                 continue
@@ -158,6 +162,17 @@ def per_cta_report(path):
             for n in sorted({r[2] for r in rows}):
                 d = [r[3] for r in rows if r[2] == n]
                 print(f"| {n} | {len(d)} | {sum(d) / len(d):.1f} | {min(d):.1f} | {max(d):.1f} |")
+            # Where the stage's start goes (kernels with the staging marks): the activations staged, then the
+            # first chunk's weights in the ring, each from the CTA's sight of the counter.
+            marked = [(r[2], us(ctas[r[0]][staged] - ctas[r[0]][seen]), us(ctas[r[0]][first] - ctas[r[0]][seen]))
+                      for r in rows if ctas[r[0]][staged] > 0 and ctas[r[0]][first] > 0]
+            if marked:
+                print(f"\n| {stage}: tiles per CTA | staged: mean us | min | max | first chunk ready: mean us | min | max |")
+                print("|---:|---:|---:|---:|---:|---:|---:|")
+                for n in sorted({m[0] for m in marked}):
+                    a = [m[1] for m in marked if m[0] == n]
+                    b = [m[2] for m in marked if m[0] == n]
+                    print(f"| {n} | {sum(a) / len(a):.1f} | {min(a):.1f} | {max(a):.1f} | {sum(b) / len(b):.1f} | {min(b):.1f} | {max(b):.1f} |")
             rows.sort(key=lambda r: -r[3])
             fmt = lambda r: f"CTA {r[0]} (SM {r[1]}, {r[2]} tiles, seen {late[r[0]]:+.1f}) {r[3]:.1f}"  # noqa: E731
             print(f"\n{stage}, the 10 slowest CTAs: " + ", ".join(fmt(r) for r in rows[:10]))
