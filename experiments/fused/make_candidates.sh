@@ -11,6 +11,7 @@ out=${1:-$root/.carry/pack/candidates}
 mkdir -p "$out"
 list=(
   "attn_vbg attn_vbg"
+  "relatt relatt"
   "l2pace2 l2pace"
   "l2pace4 l2pace FV2_L2_LEAD=4"
   "l2pace4f l2pace FV2_L2_LEAD=4 FV2_L2_PACE_CYCLES=1500"
