@@ -21,11 +21,9 @@
 # ab (candidate kernels: every NAME.cu under $AB_DIR, default .carry/pack/candidates, or those named in
 # $AB_ONLY (space-separated), loaded through
 # SPECULA_FUSED_STEP_CU: first `gpu_fused_check --quick` for every candidate (AB_CHECK=0: none; AB_CHECK="a b":
-# only those candidates' checks), then `gpu_fused_check --bench --short --v2-profile` for the shipped kernel (not
-# with AB_BASELINE=0) and
-# every candidate (the bench
-# itself compares each kernel's logits with the standard step's at every shape); logs in $OUT/ab/, a summary table in
-# $OUT/ab/summary.txt). Make the candidates here, where `patch` is known to exist:
+# only those candidates' checks), then `gpu_fused_check --bench --short --v2-profile` for the shipped kernel
+# (not with AB_BASELINE=0) and every candidate (the bench itself compares each kernel's logits with the
+# standard step's at every shape); logs in $OUT/ab/, a summary table in $OUT/ab/summary.txt). Make the candidates here, where `patch` is known to exist:
 # experiments/fused/make_candidates.sh (its list says which patches and #define edits make each).
 # timeline (the one-layer timeline kernel, .carry/pack/timeline.cu from make_candidates.sh, through
 # SPECULA_FUSED_STEP_CU; its table by timeline_table.py in $OUT/timeline.txt, then each CTA's gate/up
