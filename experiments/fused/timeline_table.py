@@ -13,7 +13,8 @@ Usage: timeline_table.py BENCH_OUTPUT [--grid 132] [--items 72] [--tiles-o 128] 
        timeline_table.py BENCH_A BENCH_B ...   (stage times and step medians side by side, e.g. the ablation
        kernels of make_candidates.sh)
        timeline_table.py --per-cta BENCH_OUTPUT   (a bench run with --v2-profile-cta: each CTA's gate/up and
-       down stage times at the marked layer, by the CTA's tile count, and the slowest CTAs with their SMs)
+       down stage times at the marked layer, by the CTA's tile count, and the slowest CTAs with their SMs;
+       then the attention item's steps, per item)
 """
 import argparse
 import os
@@ -26,8 +27,13 @@ EVENTS = [
     ("Q QKV", "Q: counter of the layer before seen", None),
     ("A: head vectors", "Q: QKV tiles done", None),
     ("A attention", "A: item sees the Q counter", "items"),
+    # Slots 17 and 19-21: the attention item's inner events (timeline.patch since session 25).
+    ("wait before D", "A: item's head vectors staged", "items"),
+    ("wait before the LM head", "A: item's first key tile in shared memory", "items"),
     ("wait before Q", "A: item's keys and softmax done", "items"),
+    ("ring chunk waits", "A: item's partials fenced (thread 0)", "items"),
     ("norm stages' staging", "A: item's partials and split counter done", "items"),
+    ("tile epilogues", "A: combining item's fence done", "combiners"),
     ("wait before A's first item", "A: combine done", "combiners"),
     ("O O proj", "A: stage done (every CTA)", None),
     ("A: keys and online softmax", "O: counter of A seen", "tiles_o"),
@@ -179,6 +185,36 @@ def per_cta_report(path):
             print(f"{stage}, the 10 fastest CTAs: " + ", ".join(fmt(r) for r in rows[-10:]))
             by_sm = sorted(rows, key=lambda r: r[1])
             print(f"{stage}, us by SM (SM:us): " + " ".join(f"{r[1]}:{r[3]:.0f}" for r in by_sm))
+        attention_report(shape, us, ctas)
+
+
+# The attention item's events (timeline.patch since session 25), as (label, from slot, to slot, combining
+# items only). Each interval is within one CTA, so the CTAs' start offsets cancel.
+SLOT_Q_DONE, SLOT_A_SEEN = 2, 3
+ATTENTION_STEPS = [
+    ("own QKV tiles done -> Q counter seen", SLOT_Q_DONE, SLOT_A_SEEN, False),
+    ("head vectors (q, new k/v) staged", SLOT_A_SEEN, 17, False),
+    ("first key tile in shared memory", 17, 19, False),
+    ("keys and online softmax (the rest)", 19, 11, False),
+    ("partials written and fenced (thread 0)", 11, 20, False),
+    ("split counter's add and barriers", 20, 12, False),
+    ("combining item: fence", 12, 21, True),
+    ("combining item: combine to act16", 21, 13, True),
+]
+
+
+def attention_report(shape, us, ctas):
+    """Per-item durations of the attention item's steps at the marked layer, over the CTAs that ran one."""
+    items = [c for c in ctas if c[SLOT_A_SEEN] > 0 and c[17] > 0 and c[19] > 0]
+    if not items:
+        return  # a timeline kernel without the attention marks
+    print(f"\n{shape}: the attention item's steps at the marked layer ({len(items)} CTAs with an item; us)")
+    print("\n| step | items | median | mean | max |")
+    print("|---|---:|---:|---:|---:|")
+    for label, a, b, combining in ATTENTION_STEPS:
+        d = sorted(us(c[b] - c[a]) for c in items if c[a] > 0 and c[b] > 0 and (not combining or c[13] > 0))
+        if d:
+            print(f"| {label} | {len(d)} | {d[len(d) // 2]:.1f} | {sum(d) / len(d):.1f} | {d[-1]:.1f} |")
 
 
 def main():
