@@ -15,7 +15,7 @@ list=(
   "l2pace2 l2pace"
   "l2pace4 l2pace FV2_L2_LEAD=4"
   "l2pace4f l2pace FV2_L2_LEAD=4 FV2_L2_PACE_CYCLES=1500"
-  "ocomb4 ocomb FV2_OCOMB_MAX_ROWS=4"
+  "l2pace2s l2pace l2gate"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
