@@ -19,13 +19,15 @@ list=(
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
-# timeline_table.py can split each bench's step into stages. tl = the timeline kernel alone.
+# timeline_table.py can split each bench's step into stages. tl = the timeline kernel alone; tl_l2pace2 = the
+# timeline kernel with the paced L2 prefetch (run it through the `timeline` part's TIMELINE_CU).
 ablations=(
   "tl timeline"
   "tl_nocopy timeline ablation FV2_ABLATE=1"
   "tl_nomma timeline ablation FV2_ABLATE=2"
   "tl_skeleton timeline ablation FV2_ABLATE=3"
   "tl_stream timeline ablation FV2_ABLATE=6"
+  "tl_l2pace2 timeline l2pace"
 )
 # build DIR "NAME ITEM...": a copy of fused_step.cu with each ITEM applied in order (a patch under
 # candidates/ or, failing that, beside this script; or a DEFINE=VALUE edit).

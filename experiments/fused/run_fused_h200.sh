@@ -25,9 +25,10 @@
 # (not with AB_BASELINE=0) and every candidate (the bench itself compares each kernel's logits with the
 # standard step's at every shape); logs in $OUT/ab/, a summary table in $OUT/ab/summary.txt). Make the candidates here, where `patch` is known to exist:
 # experiments/fused/make_candidates.sh (its list says which patches and #define edits make each).
-# timeline (the one-layer timeline kernel, .carry/pack/timeline.cu from make_candidates.sh, through
-# SPECULA_FUSED_STEP_CU; its table by timeline_table.py in $OUT/timeline.txt, then each CTA's gate/up
-# and down times with its SM and tile count, from --v2-profile-cta).
+# timeline (the one-layer timeline kernel, .carry/pack/timeline.cu from make_candidates.sh, or the kernels
+# $TIMELINE_CU names, through SPECULA_FUSED_STEP_CU; its table by timeline_table.py in $OUT/timeline.txt,
+# then each CTA's gate/up and down times with its SM and tile count and the attention item's steps, from
+# --v2-profile-cta).
 # ring (experiments/fused/ringbench/ring_stream.cu, built there with nvcc: how fast a ring of bulk copies,
 # one CTA per SM, streams bursts of weights between grid barriers, against the plain read bandwidth, then
 # the same ring in the fused step's CTA shape; RING_ARGS=kernel runs only the latter and one baseline;
@@ -127,17 +128,23 @@ PY
   cat "$out/ab/summary.txt"
 fi
 if has timeline; then
-  # The one-layer timeline (timeline.patch, made by make_candidates.sh), then its table.
-  tl=${TIMELINE_CU:-.carry/pack/timeline.cu}
-  if [ -f "$tl" ]; then
-    tl=$(cd "$(dirname "$tl")" && pwd)/$(basename "$tl")
-    { header; SPECULA_FUSED_STEP_CU=$tl timeout 200 "$bin/gpu_fused_check" --bench --short --v2-profile-cta; echo "exit $?"; } > "$out/bench_timeline.txt" 2>&1
-    grep -q "^exit 0$" "$out/bench_timeline.txt" || status=1
-    { python3 "$(dirname "$0")/timeline_table.py" "$out/bench_timeline.txt"
-      python3 "$(dirname "$0")/timeline_table.py" --per-cta "$out/bench_timeline.txt"; } | tee "$out/timeline.txt"
-  else
-    echo "timeline: no $tl (experiments/fused/make_candidates.sh makes it)" | tee "$out/timeline.txt"; status=1
-  fi
+  # The one-layer timeline (timeline.patch, made by make_candidates.sh), then its table. TIMELINE_CU may
+  # name several kernels (space-separated, e.g. the timeline kernel and an ablation kernel built on it):
+  # each gets its own bench_timeline_NAME.txt and timeline_NAME.txt (one kernel: no suffix).
+  tls=(${TIMELINE_CU:-.carry/pack/timeline.cu})
+  for tl in "${tls[@]}"; do
+    suffix=""
+    [ ${#tls[@]} -gt 1 ] && suffix="_$(basename "$tl" .cu)"
+    if [ -f "$tl" ]; then
+      tl=$(cd "$(dirname "$tl")" && pwd)/$(basename "$tl")
+      { header; SPECULA_FUSED_STEP_CU=$tl timeout 200 "$bin/gpu_fused_check" --bench --short --v2-profile-cta; echo "exit $?"; } > "$out/bench_timeline$suffix.txt" 2>&1
+      grep -q "^exit 0$" "$out/bench_timeline$suffix.txt" || status=1
+      { python3 "$(dirname "$0")/timeline_table.py" "$out/bench_timeline$suffix.txt"
+        python3 "$(dirname "$0")/timeline_table.py" --per-cta "$out/bench_timeline$suffix.txt"; } | tee "$out/timeline$suffix.txt"
+    else
+      echo "timeline: no $tl (experiments/fused/make_candidates.sh makes it)" | tee "$out/timeline$suffix.txt"; status=1
+    fi
+  done
 fi
 if has ring; then
   nvcc_bin=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
