@@ -16,6 +16,8 @@ list=(
   "l2pace4 l2pace FV2_L2_LEAD=4"
   "l2pace4f l2pace FV2_L2_LEAD=4 FV2_L2_PACE_CYCLES=1500"
   "l2pace2s l2pace l2gate"
+  "l2pace2off l2pace l2gate FV2_L2_MAX_SEQS=0"
+  "l2pace2w l2pace l2gate l2wait"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
