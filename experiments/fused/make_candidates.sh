@@ -19,6 +19,7 @@ list=(
   "l2pace2off l2pace l2gate FV2_L2_MAX_SEQS=0"
   "l2pace2w l2pace l2gate l2wait"
   "attn_vbp2 attn_vbg attn_vbp FV2_ATT_VB=2"
+  "normw normw"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
