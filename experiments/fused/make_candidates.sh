@@ -20,6 +20,8 @@ list=(
   "l2pace2w l2pace l2gate l2wait"
   "attn_vbp2 attn_vbg attn_vbp FV2_ATT_VB=2"
   "normw normw"
+  "l2ef l2ef"
+  "l2pace2ef l2ef l2pace"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
