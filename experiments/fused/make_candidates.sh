@@ -22,6 +22,7 @@ list=(
   "normw normw"
   "l2ef l2ef"
   "l2pace2ef l2ef l2pace"
+  "ropepre ropepre"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
