@@ -10,19 +10,9 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${1:-$root/.carry/pack/candidates}
 mkdir -p "$out"
 list=(
-  "attn_vbg attn_vbg"
-  "relatt relatt"
-  "l2pace2 l2pace"
-  "l2pace4 l2pace FV2_L2_LEAD=4"
-  "l2pace4f l2pace FV2_L2_LEAD=4 FV2_L2_PACE_CYCLES=1500"
   "l2pace2s l2pace l2gate"
   "l2pace2off l2pace l2gate FV2_L2_MAX_SEQS=0"
-  "l2pace2w l2pace l2gate l2wait"
-  "attn_vbp2 attn_vbg attn_vbp FV2_ATT_VB=2"
-  "normw normw"
-  "l2ef l2ef"
-  "l2pace2ef l2ef l2pace"
-  "ropepre ropepre"
+  "l2ef1 l2ef1"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that

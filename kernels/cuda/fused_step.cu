@@ -232,6 +232,24 @@ __device__ __forceinline__ void fused_bulk_copy(void* dst, const void* src, unsi
         "l"(src), "r"(bytes), "r"(fused_smem_addr(bar))
         : "memory");
 }
+// An L2 policy that evicts the lines it tags first, and the bulk copy that tags its lines with it: the
+// weight stream (2.5 GB a step, each byte read once) then no longer evicts what is read again, such as
+// the KV cache, the norm weights, the activations and lines prefetched into L2 ahead of their copy.
+// Every v2 stage got faster with it, the streaming ones most: -5 to -9% a step at every v2 shape on an
+// H100 (session 27, NOTES v0.31; the 1 x 1 layer 68.4 -> 62.3 us, gate/up 26.4 -> 24.0 us).
+__device__ __forceinline__ unsigned long long fused_l2_evict_first_policy() {
+    unsigned long long policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+__device__ __forceinline__ void fused_bulk_copy_hint(void* dst, const void* src, unsigned int bytes,
+                                                     unsigned long long* bar, unsigned long long policy) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
+            fused_smem_addr(dst)),
+        "l"(src), "r"(bytes), "r"(fused_smem_addr(bar)), "l"(policy)
+        : "memory");
+}
 __device__ __forceinline__ void fused_mbar_wait(unsigned long long* bar, unsigned int parity) {
     const unsigned int a = fused_smem_addr(bar);
     unsigned int done = 0, spins = 0;
@@ -270,6 +288,11 @@ __device__ __forceinline__ void fused_mbar_init(unsigned long long*) { __trap();
 __device__ __forceinline__ void fused_mbar_init_fence() {}
 __device__ __forceinline__ void fused_mbar_expect(unsigned long long*, unsigned int) { __trap(); }
 __device__ __forceinline__ void fused_bulk_copy(void*, const void*, unsigned int, unsigned long long*) { __trap(); }
+__device__ __forceinline__ unsigned long long fused_l2_evict_first_policy() { return 0ull; }
+__device__ __forceinline__ void fused_bulk_copy_hint(void*, const void*, unsigned int, unsigned long long*,
+                                                     unsigned long long) {
+    __trap();
+}
 __device__ __forceinline__ void fused_mbar_wait(unsigned long long*, unsigned int) { __trap(); }
 #endif
 
@@ -969,6 +992,12 @@ fused_forward_x2(const FusedParams* __restrict__ params, int rows, int n_logits,
 #define FV2_SLOT_BYTES (16 * FV2_CHUNK_K * 2)
 #define FV2_MAX_SLOTS 8
 #define FV2_ATT_KEYS 32
+// Query vectors a warp takes at once in an attention item's keys and softmax (fv2_attention_item).
+// 2, not 4: at 4 the loop's registers spill (session 26); at 2 with 2 accumulators a vector it spills
+// 20/20 bytes and gains 1-6% at every v2 shape, most at k = 7 (session 27, NOTES v0.31).
+#ifndef FV2_ATT_VB
+#define FV2_ATT_VB 2
+#endif
 #define FV2_MAX_SPLITS 32
 #define FV2_STAGES 5
 #define FV2_CTR_WORDS 16  // u64 words between counters (each on its own 128-byte line)
@@ -1094,13 +1123,15 @@ __device__ void fv2_producer_issue_part(const Fv2Producer& q, Fv2Ring& ring, int
     unsigned long long* bar = &ring.bars[FV2_PARTS * slot + h];
     if (lane == 0) fused_mbar_expect(bar, bytes * (unsigned)hrows);
     __syncwarp();
+    const unsigned long long policy = fused_l2_evict_first_policy();
     if (q.K <= FV2_CHUNK_K) {
         if (lane == 0 && hrows > 0) {
-            fused_bulk_copy(dst + (size_t)h0 * bytes, q.w + (size_t)(r0 + h0) * q.K, bytes * (unsigned)hrows, bar);
+            fused_bulk_copy_hint(dst + (size_t)h0 * bytes, q.w + (size_t)(r0 + h0) * q.K, bytes * (unsigned)hrows, bar,
+                                 policy);
         }
     } else if (lane < hrows) {
-        fused_bulk_copy(dst + (h0 + lane) * (FV2_CHUNK_K * 2), q.w + (size_t)(r0 + h0 + lane) * q.K + k0, bytes,
-                        bar);
+        fused_bulk_copy_hint(dst + (h0 + lane) * (FV2_CHUNK_K * 2), q.w + (size_t)(r0 + h0 + lane) * q.K + k0, bytes,
+                             bar, policy);
     }
 }
 // Moves the cursor to the next chunk (slot, column chunk, tile, then the next phase with tiles here).
@@ -1594,6 +1625,111 @@ __device__ __forceinline__ void fv2_head(const FusedParams& p, const FusedLayer&
     }
 }
 
+// Warp per query vector, lane per key: scores, online softmax, then lane per output dimension. A
+// warp takes FV2_ATT_VB of its vectors (qv, qv + 8, ...) at once: each key row and each value is
+// read from shared memory once for all of them, and their chains of dependent loads, shuffles and
+// FMAs interleave (at 1 x 8 a warp has 4 vectors, whose keys and softmax took 16 us per item one
+// after another: NOTES v0.16). Each vector's arithmetic is the expression, and the order, of the
+// one-vector loop, whatever VB is.
+// VB is FV2_ATT_VB when a warp has several vectors (QV > 8: several rows per sequence), else 1: with one
+// vector per warp the other VB - 1 would be dead work (attn_vb was 2.5-3.5% slower at 4 x 1 and 8 x 1,
+// NOTES v0.17).
+template <int VB, int PER>
+__device__ __forceinline__ void fv2_att_keys_tile(const float* q_s, const float* kv_s, float* acc_s, float* m_s,
+                                                  float* l_s, int QV, int G, int hd, int ks, int per, int nk,
+                                                  int kt, int pos0, int warp, int lane) {
+    const float* vs = kv_s + (size_t)FV2_ATT_KEYS * ks;
+    const float* kr = kv_s + (size_t)lane * ks;
+    for (int qv0 = warp; qv0 < QV; qv0 += 8 * VB) {
+        bool live[VB], valid[VB], skip[VB];
+        float d[VB], sc[VB], mt[VB], m_old[VB], m_new[VB];
+        float e[VB], sum[VB], f[VB];
+        const float* qr[VB];
+#pragma unroll
+        for (int u = 0; u < VB; ++u) {
+            const int qv = qv0 + 8 * u;
+            live[u] = qv < QV;  // uniform over the warp
+            valid[u] = live[u] && lane < nk && kt + lane <= pos0 + qv / G;
+            qr[u] = q_s + (size_t)(live[u] ? qv : qv0) * hd;  // a dead vector reads a live one's row
+            d[u] = 0.0f;
+        }
+        // Lanes past the tile's keys read stale rows of kv_s (inside the buffer); their scores are
+        // discarded below, as in the one-vector loop, which did not compute them.
+        for (int c = 0; c < hd; c += 4) {
+            const float4 b = *reinterpret_cast<const float4*>(kr + c);
+#pragma unroll
+            for (int u = 0; u < VB; ++u) {
+                const float4 a = *reinterpret_cast<const float4*>(qr[u] + c);
+                d[u] += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < VB; ++u) {
+            sc[u] = valid[u] ? d[u] : SPECULA_NEG_INF;
+            mt[u] = sc[u];
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+            for (int u = 0; u < VB; ++u) mt[u] = fmaxf(mt[u], __shfl_xor_sync(0xffffffffu, mt[u], o));
+        }
+#pragma unroll
+        for (int u = 0; u < VB; ++u) {
+            const int qv = live[u] ? qv0 + 8 * u : qv0;
+            m_old[u] = m_s[qv];
+            m_new[u] = fmaxf(m_old[u], mt[u]);
+            // No key of this tile is visible to the row (uniform), or no such vector: no update.
+            skip[u] = !live[u] || m_new[u] == SPECULA_NEG_INF;
+            e[u] = !skip[u] && valid[u] ? expf(sc[u] - m_new[u]) : 0.0f;
+            sum[u] = e[u];
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+            for (int u = 0; u < VB; ++u) sum[u] += __shfl_xor_sync(0xffffffffu, sum[u], o);
+        }
+        float a[VB][PER];
+#pragma unroll
+        for (int u = 0; u < VB; ++u) {
+            f[u] = skip[u] || m_old[u] == SPECULA_NEG_INF ? 0.0f : expf(m_old[u] - m_new[u]);
+            const int qv = live[u] ? qv0 + 8 * u : qv0;
+#pragma unroll
+            for (int i = 0; i < PER; ++i) {  // per <= PER; unrolled, so a stays in registers
+                if (i < per) a[u][i] = acc_s[qv * hd + lane + 32 * i] * f[u];
+            }
+        }
+        for (int j = 0; j < nk; ++j) {
+            float pj[VB];
+#pragma unroll
+            for (int u = 0; u < VB; ++u) pj[u] = __shfl_sync(0xffffffffu, e[u], j);
+#pragma unroll
+            for (int i = 0; i < PER; ++i) {
+                if (i >= per) break;
+                const float vji = vs[(size_t)j * ks + lane + 32 * i];
+#pragma unroll
+                for (int u = 0; u < VB; ++u) a[u][i] += pj[u] * vji;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < VB; ++u) {
+            if (skip[u]) continue;
+            const int qv = qv0 + 8 * u;
+#pragma unroll
+            for (int i = 0; i < PER; ++i) {
+                if (i < per) acc_s[qv * hd + lane + 32 * i] = a[u][i];
+            }
+        }
+        __syncwarp();
+        if (lane == 0) {
+#pragma unroll
+            for (int u = 0; u < VB; ++u) {
+                if (skip[u]) continue;
+                const int qv = qv0 + 8 * u;
+                m_s[qv] = m_new[u];
+                l_s[qv] = l_s[qv] * f[u] + sum[u];
+            }
+        }
+    }
+}
+
 // One attention item: sequence `s`, KV head `kvh`, key split `split`. Returns after the item's output
 // (one split) or partial (+ the combine when it is the last split to arrive) is written.
 __device__ __noinline__ void fv2_attention_item(const FusedParams& p, const FusedLayer& L, const Fv2Seqs& sq,
@@ -1675,44 +1811,14 @@ __device__ __noinline__ void fv2_attention_item(const FusedParams& p, const Fuse
             if (!(sp == split && kt == kb && first_cached_only)) fv2_load_keys(p, L, table_row, pos0, kt, nk, kvh, kv_s, nkv_s, rows, slot_s);
             fused_cp_async_wait(0);
             fv2_sync();
-            // Warp per query vector, lane per key: scores, online softmax, then lane per output dimension.
-            for (int qv = warp; qv < QV; qv += 8) {
-                const int rpos = pos0 + qv / G;
-                const bool valid = lane < nk && kt + lane <= rpos;
-                float sc = SPECULA_NEG_INF;
-                if (valid) {
-                    const float* kr = kv_s + (size_t)lane * ks;
-                    const float* qr = q_s + (size_t)qv * hd;
-                    float d = 0.0f;
-                    for (int c = 0; c < hd; c += 4) {
-                        const float4 a = *reinterpret_cast<const float4*>(qr + c);
-                        const float4 b = *reinterpret_cast<const float4*>(kr + c);
-                        d += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
-                    }
-                    sc = d;
-                }
-                float mt = sc;
-                for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
-                const float m_old = m_s[qv];
-                const float m_new = fmaxf(m_old, mt);
-                if (m_new == SPECULA_NEG_INF) continue;  // no key of this tile is visible to the row (uniform)
-                const float e = valid ? expf(sc - m_new) : 0.0f;
-                float sum = e;
-                for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-                const float f = m_old == SPECULA_NEG_INF ? 0.0f : expf(m_old - m_new);
-                float a[8];
-                for (int i = 0; i < per; ++i) a[i] = acc_s[qv * hd + lane + 32 * i] * f;
-                const float* vs = kv_s + (size_t)FV2_ATT_KEYS * ks;
-                for (int j = 0; j < nk; ++j) {
-                    const float pj = __shfl_sync(0xffffffffu, e, j);
-                    for (int i = 0; i < per; ++i) a[i] += pj * vs[(size_t)j * ks + lane + 32 * i];
-                }
-                for (int i = 0; i < per; ++i) acc_s[qv * hd + lane + 32 * i] = a[i];
-                __syncwarp();
-                if (lane == 0) {
-                    m_s[qv] = m_new;
-                    l_s[qv] = l_s[qv] * f + sum;
-                }
+            // Warp per query vector, lane per key (fv2_att_keys_tile).
+            // Several vectors at once only at head_dim <= 64 (per <= 2), with 2 accumulators a vector: at
+            // 8 per vector (any head_dim) the attention item's registers cost the kernel 100/232 bytes
+            // of spills against 8/8, and 2-2.5% at one row per sequence (session 26, NOTES v0.30).
+            if (QV > 8 && per <= 2) {
+                fv2_att_keys_tile<FV2_ATT_VB, 2>(q_s, kv_s, acc_s, m_s, l_s, QV, G, hd, ks, per, nk, kt, pos0, warp, lane);
+            } else {
+                fv2_att_keys_tile<1, 8>(q_s, kv_s, acc_s, m_s, l_s, QV, G, hd, ks, per, nk, kt, pos0, warp, lane);
             }
             fv2_sync();  // kv_s is reloaded by the next tile; acc/m/l complete
         }
