@@ -13,6 +13,7 @@ list=(
   "l2pace2s l2pace l2gate"
   "l2pace2off l2pace l2gate FV2_L2_MAX_SEQS=0"
   "l2ef1 l2ef1"
+  "normpf normpf"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
@@ -57,3 +58,9 @@ timeline=$(dirname "$out")/timeline.cu
 cp "$root/kernels/cuda/fused_step.cu" "$timeline"
 patch -s --no-backup-if-mismatch "$timeline" < "$root/experiments/fused/timeline.patch"
 echo "$timeline"
+# The same with marks inside the attention item's keys tile (timeline_keys.patch: scores, exponentials,
+# values; run it through the `timeline` part's TIMELINE_CU).
+timeline_keys=$(dirname "$out")/timeline_keys.cu
+cp "$timeline" "$timeline_keys"
+patch -s --no-backup-if-mismatch "$timeline_keys" < "$root/experiments/fused/timeline_keys.patch"
+echo "$timeline_keys"

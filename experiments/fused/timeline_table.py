@@ -196,6 +196,11 @@ ATTENTION_STEPS = [
     ("head vectors (q, new k/v) staged", SLOT_A_SEEN, 17, False),
     ("first key tile in shared memory", 17, 19, False),
     ("keys and online softmax (the rest)", 19, 11, False),
+    # timeline_keys.patch's marks inside the keys tile (thread 0's vector, its last tile): slots 15, 18, 31.
+    ("  of which scores (q . k) and their max", 19, 15, False),
+    ("  of which exponentials and their sum", 15, 18, False),
+    ("  of which values (p . v)", 18, 31, False),
+    ("  of which the stores and the barrier after the tile", 31, 11, False),
     ("partials written and fenced (thread 0)", 11, 20, False),
     ("split counter's add and barriers", 20, 12, False),
     ("combining item: fence", 12, 21, True),
