@@ -12,10 +12,6 @@ mkdir -p "$out"
 list=(
   "l2pace2s l2pace l2gate"
   "l2pace2off l2pace l2gate FV2_L2_MAX_SEQS=0"
-  "l2ef1 l2ef1"
-  "normpf normpf"
-  "l2pace4 l2pace FV2_L2_LEAD=4"
-  "l2pace8 l2pace FV2_L2_LEAD=8"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that

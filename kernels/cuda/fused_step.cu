@@ -445,12 +445,15 @@ __device__ void fused_producer_issue(const FusedParams& p, FusedProducer& q, uns
     // through an mbarrier). A fence.proxy.async here made no measurable difference (NOTES v0.7).
     if (lane == 0) fused_mbar_expect(&bars[c.slot], bytes * (unsigned)c.rows);
     __syncwarp();
+    // The weights evict first from L2, as in v2 (fv2_producer_issue_part).
+    const unsigned long long policy = fused_l2_evict_first_policy();
     if (q.whole_tiles && c.width == q.K) {
         // The tile's rows are contiguous in memory: one copy (<= 16 x 2 chunk_k bytes, within the slot).
-        if (lane == 0) fused_bulk_copy(c.dst, q.w + (size_t)c.r0 * q.K, bytes * (unsigned)c.rows, &bars[c.slot]);
+        if (lane == 0)
+            fused_bulk_copy_hint(c.dst, q.w + (size_t)c.r0 * q.K, bytes * (unsigned)c.rows, &bars[c.slot], policy);
     } else if (lane < c.rows) {
-        fused_bulk_copy(c.dst + lane * fused_row_stride(p.chunk_k), q.w + (size_t)(c.r0 + lane) * q.K + c.k0, bytes,
-                        &bars[c.slot]);
+        fused_bulk_copy_hint(c.dst + lane * fused_row_stride(p.chunk_k), q.w + (size_t)(c.r0 + lane) * q.K + c.k0,
+                             bytes, &bars[c.slot], policy);
     }
     fused_producer_advance(p, q);
 }
