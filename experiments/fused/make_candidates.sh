@@ -65,3 +65,16 @@ timeline_keys=$(dirname "$out")/timeline_keys.cu
 cp "$timeline" "$timeline_keys"
 patch -s --no-backup-if-mismatch "$timeline_keys" < "$root/experiments/fused/timeline_keys.patch"
 echo "$timeline_keys"
+# The same with marks inside gate/up's one-pass norm staging (timeline_stage.patch: activations loaded,
+# row-sum barrier, normalised and stored; slots 15 and 18 as timeline_keys.patch uses them, so not with it),
+# and that kernel with the waiting attention candidates pvu + headsm (timeline_stage_pvhead.cu).
+timeline_stage=$(dirname "$out")/timeline_stage.cu
+cp "$timeline" "$timeline_stage"
+patch -s --no-backup-if-mismatch "$timeline_stage" < "$root/experiments/fused/timeline_stage.patch"
+echo "$timeline_stage"
+timeline_stage_pvhead=$(dirname "$out")/timeline_stage_pvhead.cu
+cp "$timeline_stage" "$timeline_stage_pvhead"
+for patch_name in pvu headsm; do
+  patch -s --no-backup-if-mismatch "$timeline_stage_pvhead" < "$root/experiments/fused/candidates/$patch_name.patch"
+done
+echo "$timeline_stage_pvhead"

@@ -126,6 +126,15 @@ SLOT_Q_SEEN = 1
 # fv2_gemm's staging marks (timeline.patch since session 24): activations staged, then the first chunk's
 # weights ready, for gate/up and down.
 SLOT_G_STAGED, SLOT_G_FIRST, SLOT_D_STAGED, SLOT_D_FIRST = 27, 28, 29, 30
+# timeline_stage.patch's marks inside gate/up's one-pass norm staging (thread 0): activations loaded and
+# warp-summed, the row-sum barrier passed, pieces normalised and stored. Slot 22 is set by no other
+# timeline kernel, so its presence says which kernel wrote slots 15 and 18 (timeline_keys.patch uses them
+# inside the attention item's keys tile).
+SLOT_G_LOADED, SLOT_G_ROWSUM, SLOT_G_PACKED = 15, 18, 22
+
+
+def has_stage_marks(ctas):
+    return any(c[SLOT_G_PACKED] > 0 for c in ctas)
 
 
 def parse_per_cta(path):
@@ -179,6 +188,19 @@ def per_cta_report(path):
                     a = [m[1] for m in marked if m[0] == n]
                     b = [m[2] for m in marked if m[0] == n]
                     print(f"| {n} | {sum(a) / len(a):.1f} | {min(a):.1f} | {max(a):.1f} | {sum(b) / len(b):.1f} | {min(b):.1f} | {max(b):.1f} |")
+            if stage == "gate/up" and has_stage_marks(ctas):
+                steps = [("activations loaded, warp sums", seen, SLOT_G_LOADED),
+                         ("row-sum barrier", SLOT_G_LOADED, SLOT_G_ROWSUM),
+                         ("norm weights, normalise, store", SLOT_G_ROWSUM, SLOT_G_PACKED),
+                         ("barrier before the tiles", SLOT_G_PACKED, staged)]
+                print("\ngate/up staging, thread 0's steps (timeline_stage.patch; us)")
+                print("\n| step | CTAs | median | mean | max |")
+                print("|---|---:|---:|---:|---:|")
+                for label, a, b in steps:
+                    d = sorted(us(ctas[r[0]][b] - ctas[r[0]][a]) for r in rows
+                               if ctas[r[0]][a] > 0 and ctas[r[0]][b] > 0)
+                    if d:
+                        print(f"| {label} | {len(d)} | {d[len(d) // 2]:.1f} | {sum(d) / len(d):.1f} | {d[-1]:.1f} |")
             rows.sort(key=lambda r: -r[3])
             fmt = lambda r: f"CTA {r[0]} (SM {r[1]}, {r[2]} tiles, seen {late[r[0]]:+.1f}) {r[3]:.1f}"  # noqa: E731
             print(f"\n{stage}, the 10 slowest CTAs: " + ", ".join(fmt(r) for r in rows[:10]))
@@ -216,7 +238,10 @@ def attention_report(shape, us, ctas):
     print(f"\n{shape}: the attention item's steps at the marked layer ({len(items)} CTAs with an item; us)")
     print("\n| step | items | median | mean | max |")
     print("|---|---:|---:|---:|---:|")
+    stage_marks = has_stage_marks(ctas)
     for label, a, b, combining in ATTENTION_STEPS:
+        if stage_marks and (a in (15, 18) or b in (15, 18)):
+            continue  # slots 15 and 18 are the staging marks in this kernel
         d = sorted(us(c[b] - c[a]) for c in items if c[a] > 0 and c[b] > 0 and (not combining or c[13] > 0))
         if d:
             print(f"| {label} | {len(d)} | {d[len(d) // 2]:.1f} | {sum(d) / len(d):.1f} | {d[-1]:.1f} |")
