@@ -12,9 +12,9 @@ mkdir -p "$out"
 list=(
   "l2pace2s l2pace l2gate"
   "l2pace2off l2pace l2gate FV2_L2_MAX_SEQS=0"
-  "pvu pvu"
-  "headsm headsm"
-  "pvhead pvu headsm"
+  "ropetab ropetab"
+  "pvu1 pvu1"
+  "ropepvu1 ropetab pvu1"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
@@ -67,14 +67,14 @@ patch -s --no-backup-if-mismatch "$timeline_keys" < "$root/experiments/fused/tim
 echo "$timeline_keys"
 # The same with marks inside gate/up's one-pass norm staging (timeline_stage.patch: activations loaded,
 # row-sum barrier, normalised and stored; slots 15 and 18 as timeline_keys.patch uses them, so not with it),
-# and that kernel with the waiting attention candidates pvu + headsm (timeline_stage_pvhead.cu).
+# and that kernel with the waiting attention candidates ropetab + pvu1 (timeline_stage_rope.cu).
 timeline_stage=$(dirname "$out")/timeline_stage.cu
 cp "$timeline" "$timeline_stage"
 patch -s --no-backup-if-mismatch "$timeline_stage" < "$root/experiments/fused/timeline_stage.patch"
 echo "$timeline_stage"
-timeline_stage_pvhead=$(dirname "$out")/timeline_stage_pvhead.cu
-cp "$timeline_stage" "$timeline_stage_pvhead"
-for patch_name in pvu headsm; do
-  patch -s --no-backup-if-mismatch "$timeline_stage_pvhead" < "$root/experiments/fused/candidates/$patch_name.patch"
+timeline_stage_rope=$(dirname "$out")/timeline_stage_rope.cu
+cp "$timeline_stage" "$timeline_stage_rope"
+for patch_name in ropetab pvu1; do
+  patch -s --no-backup-if-mismatch "$timeline_stage_rope" < "$root/experiments/fused/candidates/$patch_name.patch"
 done
-echo "$timeline_stage_pvhead"
+echo "$timeline_stage_rope"
