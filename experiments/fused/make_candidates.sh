@@ -12,6 +12,8 @@ mkdir -p "$out"
 list=(
   "l2pace2s l2pace l2gate"
   "l2pace2off l2pace l2gate FV2_L2_MAX_SEQS=0"
+  "attquiet quiet"
+  "attquietq quiet FV2_QUIET=2"
   "ropetab ropetab"
   "pvu1 pvu1"
   "ropepvu1 ropetab pvu1"
