@@ -10,8 +10,6 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${1:-$root/.carry/pack/candidates}
 mkdir -p "$out"
 list=(
-  "l2pace2s l2pace l2gate"
-  "l2pace2off l2pace l2gate FV2_L2_MAX_SEQS=0"
   "attquiet quiet"
   "attquietq quiet FV2_QUIET=2"
   "ropetab ropetab"
