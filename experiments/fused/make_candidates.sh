@@ -10,8 +10,6 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${1:-$root/.carry/pack/candidates}
 mkdir -p "$out"
 list=(
-  "attquiet quiet"
-  "attquietq quiet FV2_QUIET=2"
   "ropetab ropetab"
   "pvu1 pvu1"
   "ropepvu1 ropetab pvu1"
