@@ -33,6 +33,9 @@
 # one CTA per SM, streams bursts of weights between grid barriers, against the plain read bandwidth, then
 # the same ring in the fused step's CTA shape; RING_ARGS=kernel runs only the latter and one baseline;
 # $OUT/ring_stream.txt).
+# l2lat (experiments/fused/ringbench/l2_latency.cu, built there with nvcc: one dependent L2 load's latency
+# on each SM while the SMs stream weights as the fused step does, with the streaming and the loads on the
+# same SMs or on different ones; $OUT/l2_latency.txt).
 # step/shapes/e2e results go into $OUT/bench.tgz (the device tool returns at most 8 files). Extra
 # arguments after the parts go to every gpu_fused_check call (e.g. --no-cooperative).
 set -uo pipefail
@@ -151,6 +154,12 @@ if has ring; then
   { header; "$nvcc_bin" -O3 -std=c++17 -arch=sm_90 -o /tmp/ring_stream "$(dirname "$0")/ringbench/ring_stream.cu" &&
     timeout 200 /tmp/ring_stream ${RING_ARGS:-}; echo "exit $?"; } 2>&1 | tee "$out/ring_stream.txt"
   grep -q "^exit 0$" "$out/ring_stream.txt" || status=1
+fi
+if has l2lat; then
+  nvcc_bin=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+  { header; "$nvcc_bin" -O3 -std=c++17 -arch=sm_90 -o /tmp/l2_latency "$(dirname "$0")/ringbench/l2_latency.cu" &&
+    timeout 120 /tmp/l2_latency; echo "exit $?"; } 2>&1 | tee "$out/l2_latency.txt"
+  grep -q "^exit 0$" "$out/l2_latency.txt" || status=1
 fi
 export SPECULA_DEFAULT_MODELS=${SPECULA_DEFAULT_MODELS:-$PWD/models/default}
 export SPECULA_GIT_REVISION=${SPECULA_GIT_REVISION:-$(cat "$bin/fused.rev" 2>/dev/null)}
