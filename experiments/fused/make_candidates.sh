@@ -76,3 +76,9 @@ for patch_name in ropetab pvu1; do
   patch -s --no-backup-if-mismatch "$timeline_stage_rope" < "$root/experiments/fused/candidates/$patch_name.patch"
 done
 echo "$timeline_stage_rope"
+# The timeline kernel with session 29's quiet window (dropped: +1% at 1 x 1; its patch is with that session's
+# results), to see whether the attention chain got shorter with the refills held back.
+timeline_quiet=$(dirname "$out")/timeline_quiet.cu
+cp "$timeline" "$timeline_quiet"
+patch -s --no-backup-if-mismatch "$timeline_quiet" < "$root/experiments/results/fused_h100_s29/patches/quiet.patch"
+echo "$timeline_quiet"
