@@ -224,14 +224,6 @@ __device__ __forceinline__ void fused_mbar_expect(unsigned long long* bar, unsig
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(fused_smem_addr(bar)), "r"(bytes)
                  : "memory");
 }
-__device__ __forceinline__ void fused_bulk_copy(void* dst, const void* src, unsigned int bytes,
-                                                unsigned long long* bar) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-            fused_smem_addr(dst)),
-        "l"(src), "r"(bytes), "r"(fused_smem_addr(bar))
-        : "memory");
-}
 // An L2 policy that evicts the lines it tags first, and the bulk copy that tags its lines with it: the
 // weight stream (2.5 GB a step, each byte read once) then no longer evicts what is read again, such as
 // the KV cache, the norm weights, the activations and lines prefetched into L2 ahead of their copy.
@@ -287,7 +279,6 @@ __device__ __forceinline__ void fused_cp_async_wait(int) {}
 __device__ __forceinline__ void fused_mbar_init(unsigned long long*) { __trap(); }
 __device__ __forceinline__ void fused_mbar_init_fence() {}
 __device__ __forceinline__ void fused_mbar_expect(unsigned long long*, unsigned int) { __trap(); }
-__device__ __forceinline__ void fused_bulk_copy(void*, const void*, unsigned int, unsigned long long*) { __trap(); }
 __device__ __forceinline__ unsigned long long fused_l2_evict_first_policy() { return 0ull; }
 __device__ __forceinline__ void fused_bulk_copy_hint(void*, const void*, unsigned int, unsigned long long*,
                                                      unsigned long long) {
