@@ -13,6 +13,8 @@ list=(
   "ropetab ropetab"
   "pvu1 pvu1"
   "ropepvu1 ropetab pvu1"
+  "l2pace2i l2pace l2gate l2infl FV2_L2_MAX_ROWS=2"
+  "l2pace4i l2pace l2gate l2infl FV2_L2_MAX_ROWS=2 FV2_L2_LEAD=4"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
