@@ -18,54 +18,13 @@
 //
 // Build and run on the GPU machine (run_fused_h200.sh's `l2lat` part):
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/l2_latency experiments/fused/ringbench/l2_latency.cu && /tmp/l2_latency
-#include <cuda_runtime.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
 
-#define CHECK(x)                                                                                  \
-    do {                                                                                          \
-        cudaError_t e_ = (x);                                                                     \
-        if (e_ != cudaSuccess) {                                                                  \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));   \
-            exit(1);                                                                              \
-        }                                                                                         \
-    } while (0)
-
-__device__ __forceinline__ unsigned long long now_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-    return t;
-}
-__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(unsigned long long* b) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(b)) : "memory");
-}
-__device__ __forceinline__ void mbar_expect(unsigned long long* b, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(b)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned parity) {
-    unsigned done = 0;
-    while (!done) {
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                     : "=r"(done)
-                     : "r"(smem_addr(b)), "r"(parity)
-                     : "memory");
-    }
-}
-// The fused step's weight copy: bulk, completing on an mbarrier, L2 evict-first (fused_bulk_copy_hint).
-__device__ __forceinline__ void bulk_copy_ef(void* dst, const void* src, unsigned bytes, unsigned long long* b) {
-    unsigned long long policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
-            smem_addr(dst)),
-        "l"(src), "r"(bytes), "r"(smem_addr(b)), "l"(policy)
-        : "memory");
-}
+#include "ringbench.cuh"
 
 // One pass over the chain, `loads` dependent loads: returns the last index (so nothing is optimised away).
 __device__ __forceinline__ unsigned chase(const unsigned* chain, unsigned start, int loads) {
@@ -87,8 +46,8 @@ __global__ void probe(const unsigned char* w, size_t region_bytes, int part, con
     const int cls = 1 << (blockIdx.x & 1);
     const bool streams = (stream_mask & cls) != 0, chases = (chase_mask & cls) != 0;
     if (threadIdx.x == 0) {
-        mbar_init(&full[0]);
-        mbar_init(&full[1]);
+        mbar_init(&full[0], 1);
+        mbar_init(&full[1], 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -104,7 +63,7 @@ __global__ void probe(const unsigned char* w, size_t region_bytes, int part, con
         for (size_t i = 0;; ++i) {
             const int s = (int)(i & 1);
             mbar_expect(&full[s], (unsigned)part);
-            bulk_copy_ef(ring + (size_t)s * part, base + (i % parts) * part, (unsigned)part, &full[s]);
+            bulk_copy_evict_first(ring + (size_t)s * part, base + (i % parts) * part, (unsigned)part, &full[s]);
             // The counter's load flies with the copy (its value is used only after the copy has landed),
             // so polling it does not slow the stream.
             const unsigned long long finished = *(volatile unsigned long long*)done_ctr;
