@@ -29,7 +29,7 @@ ablations=(
   "tl_l2pace2 timeline l2pace"
 )
 # build DIR "NAME ITEM...": a copy of fused_step.cu with each ITEM applied in order (a patch under
-# candidates/ or, failing that, beside this script; or a DEFINE=VALUE edit).
+# candidates/ or, failing that, beside this script, or at experiments/ITEM.patch; or a DEFINE=VALUE edit).
 build() {
   local dir=$1 entry=$2 parts name dst item key value patch_file
   read -r -a parts <<< "$entry"
@@ -44,6 +44,7 @@ build() {
     else
       patch_file=$root/experiments/fused/candidates/$item.patch
       [ -f "$patch_file" ] || patch_file=$root/experiments/fused/$item.patch
+      [ -f "$patch_file" ] || patch_file=$root/experiments/$item.patch
       patch -s --no-backup-if-mismatch "$dst" < "$patch_file"
     fi
   done
@@ -53,34 +54,20 @@ for entry in "${list[@]}"; do build "$out" "$entry"; done
 abl_dir=$(dirname "$out")/ablations
 mkdir -p "$abl_dir"
 for entry in "${ablations[@]}"; do build "$abl_dir" "$entry"; done
-# The timeline kernel (timeline.patch) beside them, not among them (`ab` runs every .cu in OUT_DIR): the
-# `timeline` part of run_fused_h200.sh runs it.
-timeline=$(dirname "$out")/timeline.cu
-cp "$root/kernels/cuda/fused_step.cu" "$timeline"
-patch -s --no-backup-if-mismatch "$timeline" < "$root/experiments/fused/timeline.patch"
-echo "$timeline"
-# The same with marks inside the attention item's keys tile (timeline_keys.patch: scores, exponentials,
-# values; run it through the `timeline` part's TIMELINE_CU).
-timeline_keys=$(dirname "$out")/timeline_keys.cu
-cp "$timeline" "$timeline_keys"
-patch -s --no-backup-if-mismatch "$timeline_keys" < "$root/experiments/fused/timeline_keys.patch"
-echo "$timeline_keys"
-# The same with marks inside gate/up's one-pass norm staging (timeline_stage.patch: activations loaded,
-# row-sum barrier, normalised and stored; slots 15 and 18 as timeline_keys.patch uses them, so not with it),
-# and that kernel with the waiting attention candidates ropetab + pvu1 (timeline_stage_rope.cu).
-timeline_stage=$(dirname "$out")/timeline_stage.cu
-cp "$timeline" "$timeline_stage"
-patch -s --no-backup-if-mismatch "$timeline_stage" < "$root/experiments/fused/timeline_stage.patch"
-echo "$timeline_stage"
-timeline_stage_rope=$(dirname "$out")/timeline_stage_rope.cu
-cp "$timeline_stage" "$timeline_stage_rope"
-for patch_name in ropetab pvu1; do
-  patch -s --no-backup-if-mismatch "$timeline_stage_rope" < "$root/experiments/fused/candidates/$patch_name.patch"
-done
-echo "$timeline_stage_rope"
-# The timeline kernel with session 29's quiet window (dropped: +1% at 1 x 1; its patch is with that session's
-# results), to see whether the attention chain got shorter with the refills held back.
-timeline_quiet=$(dirname "$out")/timeline_quiet.cu
-cp "$timeline" "$timeline_quiet"
-patch -s --no-backup-if-mismatch "$timeline_quiet" < "$root/experiments/results/fused_h100_s29/patches/quiet.patch"
-echo "$timeline_quiet"
+# The timeline kernels beside them, not among them (`ab` runs every .cu in OUT_DIR): the `timeline` part of
+# run_fused_h200.sh runs timeline.cu, or those named in its TIMELINE_CU.
+# - timeline: timeline.patch alone;
+# - timeline_keys: with marks inside the attention item's keys tile (scores, exponentials, values);
+# - timeline_stage: with marks inside gate/up's one-pass norm staging (activations loaded, row-sum barrier,
+#   normalised and stored; slots 15 and 18 as timeline_keys.patch uses them, so not with it);
+# - timeline_stage_rope: that kernel with the waiting attention candidates ropetab + pvu1;
+# - timeline_quiet: with session 29's quiet window (dropped: +1% at 1 x 1; its patch is with that session's
+#   results), to see whether the attention chain got shorter with the refills held back.
+timelines=(
+  "timeline timeline"
+  "timeline_keys timeline timeline_keys"
+  "timeline_stage timeline timeline_stage"
+  "timeline_stage_rope timeline timeline_stage ropetab pvu1"
+  "timeline_quiet timeline results/fused_h100_s29/patches/quiet"
+)
+for entry in "${timelines[@]}"; do build "$(dirname "$out")" "$entry"; done
