@@ -461,6 +461,8 @@ pub struct E2eBenchReport {
     pub tuned_linear_shapes: usize,
     /// The fused kernel's launch shape, once built (latency_specialized).
     pub fused_kernel: Option<String>,
+    /// Kernel sources replaced through a development knob (empty: this revision's kernels ran).
+    pub kernel_overrides: Vec<crate::KernelOverride>,
     /// Why CUDA graphs were switched off, if a capture failed.
     pub graph_error: Option<String>,
     /// With `specialized_shapes` measured: each step shape's timing of both paths (taken at its
@@ -543,6 +545,7 @@ per backend one warm-up run plus one short run per smaller draft count ending wh
     if let Some(f) = &r.fused_kernel {
         md.push_str(&format!("Fused kernel: {f}.\n\n"));
     }
+    md.push_str(&crate::kernel_overrides_markdown(&r.kernel_overrides));
     md.push_str(&format!(
         "latency_specialized shapes: {}.\n\n",
         match c.specialized_shapes {
@@ -1042,6 +1045,7 @@ mod device {
             target_weight_floor_ms: weight_floor_ms,
             tuned_linear_shapes,
             fused_kernel,
+            kernel_overrides: crate::kernel_overrides(),
             graph_error: target.model().graph_error().map(str::to_string),
             shape_timings: target
                 .model()
@@ -1244,6 +1248,11 @@ mod tests {
             target_weight_floor_ms: 0.6,
             tuned_linear_shapes: 12,
             fused_kernel: None,
+            kernel_overrides: vec![crate::KernelOverride {
+                variable: "SPECULA_FUSED_STEP_CU".into(),
+                path: "/tmp/candidate.cu".into(),
+                sha256: "00ff".into(),
+            }],
             graph_error: None,
             shape_timings: vec![E2eShapeTiming {
                 sequences: 1,
@@ -1269,6 +1278,11 @@ mod tests {
         assert!(md.contains("not decode-only step times"));
         assert!(md.contains("1.333x at the median"));
         assert!(md.contains("latency_specialized shapes: measured"), "{md}");
+        assert!(
+            md.contains("**Kernel sources replaced in this run**")
+                && md.contains("`SPECULA_FUSED_STEP_CU` = `/tmp/candidate.cu` (sha256 00ff)"),
+            "{md}"
+        );
         assert!(
             md.contains("| 1 | 8 | 8 | 512 | 2.200 | 1.400 | 1.571 | standard |"),
             "{md}"

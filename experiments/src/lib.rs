@@ -104,6 +104,65 @@ impl Provenance {
     }
 }
 
+/// A kernel source this process loaded from a file instead of the embedded one, through a
+/// development knob (`SPECULA_FUSED_STEP_CU`, `SPECULA_DSPARK_CU`: `specula_kernels::cuda`). A result
+/// measured with one must say so, since the binary's git revision then does not name the kernel that ran.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct KernelOverride {
+    pub variable: String,
+    pub path: String,
+    /// The file's SHA-256, or why it could not be read.
+    pub sha256: String,
+}
+
+#[cfg(feature = "cuda")]
+const KERNEL_SOURCE_ENVS: &[&str] = &[
+    specula_kernels::cuda::FUSED_SOURCE_ENV,
+    specula_kernels::cuda::DSPARK_SOURCE_ENV,
+];
+// Without CUDA no kernel source is compiled, so none can be replaced.
+#[cfg(not(feature = "cuda"))]
+const KERNEL_SOURCE_ENVS: &[&str] = &[];
+
+/// The kernel sources replaced in this process's environment (empty: every kernel is this build's).
+pub fn kernel_overrides() -> Vec<KernelOverride> {
+    kernel_overrides_from(KERNEL_SOURCE_ENVS, |v| std::env::var(v).ok())
+}
+
+fn kernel_overrides_from(
+    variables: &[&str],
+    get: impl Fn(&str) -> Option<String>,
+) -> Vec<KernelOverride> {
+    variables
+        .iter()
+        .filter_map(|&v| {
+            let path = get(v)?;
+            let sha256 = sha256_file(Path::new(&path))
+                .unwrap_or_else(|e| format!("unreadable: {e}"));
+            Some(KernelOverride {
+                variable: v.to_string(),
+                path,
+                sha256,
+            })
+        })
+        .collect()
+}
+
+/// One Markdown paragraph naming the replaced kernel sources; empty when there are none.
+pub fn kernel_overrides_markdown(overrides: &[KernelOverride]) -> String {
+    if overrides.is_empty() {
+        return String::new();
+    }
+    let list: Vec<String> = overrides
+        .iter()
+        .map(|o| format!("`{}` = `{}` (sha256 {})", o.variable, o.path, o.sha256))
+        .collect();
+    format!(
+        "**Kernel sources replaced in this run** (not this revision's embedded kernels): {}.\n\n",
+        list.join("; ")
+    )
+}
+
 /// Resident and peak resident memory of this process in MiB (Linux `/proc/self/status`).
 pub fn memory_mib() -> (f64, f64) {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
@@ -230,4 +289,37 @@ pub fn tiny_check_config(
         c.tie_word_embeddings = false;
     }
     Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_overrides_name_each_set_variable_with_its_file_hash() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("fused_step.cu");
+        std::fs::write(&file, b"abc").unwrap();
+        let file_text = file.display().to_string();
+        let missing = dir.path().join("gone.cu").display().to_string();
+        let env = |v: &str| match v {
+            "A" => Some(file_text.clone()),
+            "C" => Some(missing.clone()),
+            _ => None,
+        };
+        let got = kernel_overrides_from(&["A", "B", "C"], env);
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert_eq!(got[0].variable, "A");
+        assert_eq!(got[0].path, file_text);
+        // SHA-256 of "abc" (FIPS 180-2's first example).
+        assert_eq!(
+            got[0].sha256,
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        assert_eq!(got[1].variable, "C");
+        assert!(got[1].sha256.starts_with("unreadable: "), "{}", got[1].sha256);
+        let md = kernel_overrides_markdown(&got);
+        assert!(md.contains("`A` = `") && md.contains("sha256 ba7816bf"), "{md}");
+        assert!(kernel_overrides_markdown(&[]).is_empty());
+    }
 }

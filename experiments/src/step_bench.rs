@@ -122,6 +122,8 @@ pub struct StepBenchReport {
     pub graph_error: Option<String>,
     /// Whether the gate/up projection ran with SwiGLU fused (its tuning rows then include SwiGLU).
     pub fused_swiglu: bool,
+    /// Kernel sources replaced through a development knob (empty: this revision's kernels ran).
+    pub kernel_overrides: Vec<crate::KernelOverride>,
     pub rows: Vec<StepRow>,
     /// Where the step's device time goes: graph replays of step variants with one part left out.
     pub profile: Vec<ProfileRow>,
@@ -606,6 +608,7 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
         linear_choices,
         graph_error: gpu.graph_error().map(str::to_string),
         fused_swiglu: gpu.fused_swiglu(),
+        kernel_overrides: crate::kernel_overrides(),
         rows,
         profile,
     };
@@ -648,6 +651,7 @@ graph replay = device time per replay, CUDA events around 10 replays queued back
     if let Some(e) = &r.graph_error {
         md.push_str(&format!("**CUDA graphs were off in this run** (capture failed: {e}); steps ran kernel by kernel.\n\n"));
     }
+    md.push_str(&crate::kernel_overrides_markdown(&r.kernel_overrides));
     md.push_str("| running requests | tokens/seq | backend | fused steps | step ms median | P90 | graph-replay ms | floor ms | % of floor | no-graph step ms | committed/step | mean context |\n|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for row in &r.rows {
         let fused = if row.decode_backend == StepBackend::Standard.name() {
