@@ -9,24 +9,21 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${1:-$root/.carry/pack/candidates}
 mkdir -p "$out"
+# (none waits since session 30: ropetab and pvu1 were dropped, l2pace2i adopted; their patches are in
+# experiments/results/fused_h100_s30/patches/)
 list=(
-  "ropetab ropetab"
-  "pvu1 pvu1"
-  "ropepvu1 ropetab pvu1"
-  "l2pace2i l2pace l2gate l2infl FV2_L2_MAX_ROWS=2"
-  "l2pace4i l2pace l2gate l2infl FV2_L2_MAX_ROWS=2 FV2_L2_LEAD=4"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
-# timeline_table.py can split each bench's step into stages. tl = the timeline kernel alone; tl_l2pace2 = the
-# timeline kernel with the paced L2 prefetch (run it through the `timeline` part's TIMELINE_CU).
+# timeline_table.py can split each bench's step into stages. tl = the timeline kernel alone; tl_nol2pace = the
+# timeline kernel without the paced L2 prefetch (adopted in session 30), to see what it moves.
 ablations=(
   "tl timeline"
   "tl_nocopy timeline ablation FV2_ABLATE=1"
   "tl_nomma timeline ablation FV2_ABLATE=2"
   "tl_skeleton timeline ablation FV2_ABLATE=3"
   "tl_stream timeline ablation FV2_ABLATE=6"
-  "tl_l2pace2 timeline l2pace"
+  "tl_nol2pace timeline FV2_L2_LEAD=0"
 )
 # build DIR "NAME ITEM...": a copy of fused_step.cu with each ITEM applied in order (a patch under
 # candidates/ or, failing that, beside this script, or at experiments/ITEM.patch; or a DEFINE=VALUE edit).
@@ -60,14 +57,12 @@ for entry in "${ablations[@]}"; do build "$abl_dir" "$entry"; done
 # - timeline_keys: with marks inside the attention item's keys tile (scores, exponentials, values);
 # - timeline_stage: with marks inside gate/up's one-pass norm staging (activations loaded, row-sum barrier,
 #   normalised and stored; slots 15 and 18 as timeline_keys.patch uses them, so not with it);
-# - timeline_stage_rope: that kernel with the waiting attention candidates ropetab + pvu1;
-# - timeline_quiet: with session 29's quiet window (dropped: +1% at 1 x 1; its patch is with that session's
-#   results), to see whether the attention chain got shorter with the refills held back.
+# - timeline_stage2: that kernel with a mark on entering the staging and its loads and warp sums run twice
+#   (the second pass with warm code and stack: whether the 2.7 us are the data's L2 trip or something else).
 timelines=(
   "timeline timeline"
   "timeline_keys timeline timeline_keys"
   "timeline_stage timeline timeline_stage"
-  "timeline_stage_rope timeline timeline_stage ropetab pvu1"
-  "timeline_quiet timeline results/fused_h100_s29/patches/quiet"
+  "timeline_stage2 timeline timeline_stage timeline_stage2"
 )
 for entry in "${timelines[@]}"; do build "$(dirname "$out")" "$entry"; done

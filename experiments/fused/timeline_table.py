@@ -131,6 +131,9 @@ SLOT_G_STAGED, SLOT_G_FIRST, SLOT_D_STAGED, SLOT_D_FIRST = 27, 28, 29, 30
 # timeline kernel, so its presence says which kernel wrote slots 15 and 18 (timeline_keys.patch uses them
 # inside the attention item's keys tile).
 SLOT_G_LOADED, SLOT_G_ROWSUM, SLOT_G_PACKED = 15, 18, 22
+# timeline_stage2.patch (on timeline_stage.patch): slot 16 on entering the one-pass staging, then the loads
+# and warp sums twice, slot 31 after the first pass (slot 15 after the second).
+SLOT_G_ENTRY, SLOT_G_PASS1 = 16, 31
 
 
 def has_stage_marks(ctas):
@@ -189,7 +192,12 @@ def per_cta_report(path):
                     b = [m[2] for m in marked if m[0] == n]
                     print(f"| {n} | {sum(a) / len(a):.1f} | {min(a):.1f} | {max(a):.1f} | {sum(b) / len(b):.1f} | {min(b):.1f} | {max(b):.1f} |")
             if stage == "gate/up" and has_stage_marks(ctas):
-                steps = [("activations loaded, warp sums", seen, SLOT_G_LOADED),
+                two_pass = any(c[SLOT_G_ENTRY] > 0 and c[SLOT_G_PASS1] > 0 for c in ctas)
+                first = [("counter seen -> staging entered (fv2_gemm's call and set-up)", seen, SLOT_G_ENTRY),
+                         ("activations loaded, warp sums (first pass)", SLOT_G_ENTRY, SLOT_G_PASS1),
+                         ("barrier, then the same again (second pass: L2 data, warm code)", SLOT_G_PASS1,
+                          SLOT_G_LOADED)] if two_pass else [("activations loaded, warp sums", seen, SLOT_G_LOADED)]
+                steps = first + [
                          ("row-sum barrier", SLOT_G_LOADED, SLOT_G_ROWSUM),
                          ("norm weights, normalise, store", SLOT_G_ROWSUM, SLOT_G_PACKED),
                          ("barrier before the tiles", SLOT_G_PACKED, staged)]

@@ -255,6 +255,20 @@ __device__ __forceinline__ void fused_mbar_wait(unsigned long long* bar, unsigne
         if (++spins == FUSED_RING_SPIN_LIMIT) __trap();
     }
 }
+// One try of a barrier's phase (no spin): true once the phase with this parity has completed.
+__device__ __forceinline__ bool fused_mbar_test(unsigned long long* bar, unsigned int parity) {
+    unsigned int done;
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(fused_smem_addr(bar)), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+// A bulk prefetch of `bytes` (a multiple of 16, 16-byte aligned) into L2; nothing comes back to the SM.
+__device__ __forceinline__ void fused_l2_prefetch(const void* src, unsigned int bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
 __device__ __forceinline__ void fused_cp_async_16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(fused_smem_addr(dst)), "l"(src) : "memory");
 }
@@ -285,6 +299,11 @@ __device__ __forceinline__ void fused_bulk_copy_hint(void*, const void*, unsigne
     __trap();
 }
 __device__ __forceinline__ void fused_mbar_wait(unsigned long long*, unsigned int) { __trap(); }
+__device__ __forceinline__ bool fused_mbar_test(unsigned long long*, unsigned int) {
+    __trap();
+    return true;
+}
+__device__ __forceinline__ void fused_l2_prefetch(const void*, unsigned int) { __trap(); }
 #endif
 
 // ---------------------------------------------------------------------------------------------------
@@ -1009,6 +1028,27 @@ fused_forward_x2(const FusedParams* __restrict__ params, int rows, int n_logits,
 #define FV2_PARTS 2
 #define FV2_PART_ROWS (16 / FV2_PARTS)
 #define FV2_MAX_INFLIGHT 1
+// Paced L2 prefetch while the ring is full. When the producer has waited FV2_L2_IDLE_CYCLES for a slot (the
+// consumers are at a counter wait or in attention, and HBM idles: the timeline of NOTES v0.28 has ~13 us
+// of attention per layer with the weight stream stopped), it prefetches into L2 the chunks it will copy
+// next, from the one waiting for the slot on, up to FV2_L2_LEAD chunks, one part at a time and at most one
+// part every FV2_L2_PACE_CYCLES (~1.5 us at 2 GHz: 32 KB per CTA at about its share of an H100's bandwidth,
+// so the memory system's queue stays as shallow as the one-copy cap keeps it). Earlier L2 prefetches
+// (v2y, l2g: NOTES v0.16, v0.17) were unpaced, ran during streaming too, and came with three 64 KB copies
+// in flight per CTA. FV2_L2_LEAD 0 is the kernel without it.
+#define FV2_L2_LEAD 2
+#define FV2_L2_IDLE_CYCLES 2000
+#define FV2_L2_PACE_CYCLES 3000
+#define FV2_L2_MAX_SEQS 2
+#define FV2_L2_MAX_ROWS 2
+// Copies in flight for parts the producer prefetched into L2 (the one-copy cap is for parts that come from
+// HBM). At one in flight a 32 KB copy takes about as long from L2 as from HBM at the SM's share of the read
+// bandwidth (~1.4 us), so with the one-copy cap alone the paced prefetch bought only 1.4-2.2% at 1 x 1 and
+// 2 x 1 (sessions 28-29). With up to 4 in flight for prefetched parts, and the prefetch gated to steps of
+// <= 2 rows (`l2pace2i`, session 30, NOTES v0.34, H100, two same-call benches): -1.0/-1.2% at 1 x 1,
+// -2.2/-2.3% at 2 x 1, +0.6/0.0% at 1 x 8, -0.2 to -0.8% at 2 x 8, 4 x 1 and 8 x 1. A lead of 4 chunks
+// (`l2pace4i`) was the same within 0.4%.
+#define FV2_L2_INFLIGHT 4
 
 // The 8 consumer warps' barrier (named barrier 1): the producer warp (warp 8) never joins it.
 __device__ __forceinline__ void fv2_sync() { asm volatile("bar.sync 1, %0;" ::"n"(FUSED_THREADS) : "memory"); }
@@ -1126,6 +1166,23 @@ __device__ void fv2_producer_issue_part(const Fv2Producer& q, Fv2Ring& ring, int
     } else if (lane < hrows) {
         fused_bulk_copy_hint(dst + (h0 + lane) * (FV2_CHUNK_K * 2), q.w + (size_t)(r0 + h0 + lane) * q.K + k0, bytes,
                              bar, policy);
+    }
+}
+// The L2 prefetch of part `h` of the cursor's chunk: the same rows and bytes fv2_producer_issue_part copies
+// (one prefetch, or one per row when K > FV2_CHUNK_K). All 32 lanes call it with identical cursors.
+__device__ void fv2_prefetch_part(const Fv2Producer& q, int h) {
+    if (q.phase >= q.phases) return;
+    const int lane = threadIdx.x & 31;
+    const int k0 = q.kc * FV2_CHUNK_K;
+    const int width = min(FV2_CHUNK_K, q.K - k0);
+    const int r0 = q.tile * 16;
+    const int nrows = max(0, min(16, q.N - r0));
+    const int h0 = FV2_PART_ROWS * h, hrows = max(0, min(FV2_PART_ROWS, nrows - h0));
+    const unsigned int bytes = (unsigned int)width * 2u;
+    if (q.K <= FV2_CHUNK_K) {
+        if (lane == 0 && hrows > 0) fused_l2_prefetch(q.w + (size_t)(r0 + h0) * q.K, bytes * (unsigned)hrows);
+    } else if (lane < hrows) {
+        fused_l2_prefetch(q.w + (size_t)(r0 + h0 + lane) * q.K + k0, bytes);
     }
 }
 // Moves the cursor to the next chunk (slot, column chunk, tile, then the next phase with tiles here).
@@ -2019,12 +2076,58 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
             // within that distance of the one issued.
             const unsigned int cap = (unsigned)min(FV2_MAX_INFLIGHT, FV2_PARTS * stages);
             int w_slot = 0, w_h = 0;
-            unsigned int w_parity = 0u, issued = 0u;
+            unsigned int w_parity = 0u, issued = 0u, landed = 0u;
+            const unsigned int cap_l2 = (unsigned)min(FV2_L2_INFLIGHT, FV2_PARTS * stages);
+#if FV2_L2_LEAD > 0
+            // The prefetch cursor: pf_lead whole chunks prefetched from the ring's next chunk on, then part
+            // pf_h of pf's chunk. Every decision is lane 0's, broadcast, so the lanes' cursors stay equal.
+            Fv2Producer pf = q;
+            int pf_lead = 0, pf_h = 0;
+            long long pf_last = 0;
+            // Only in steps of <= FV2_L2_MAX_SEQS sequences and <= FV2_L2_MAX_ROWS rows: on an H100 (session
+            // 25, NOTES v0.29) the prefetch won 1.2-2.5% at 1 x 1, 2 x 1 and 1 x 8 and lost 3-5% at 4 x 1 and
+            // 2 x 8; on the evict-first kernel it lost 0.9-1.6% at 1 x 8 (sessions 28-29), hence <= 2 rows.
+            const int pf_lead_max = sq.n <= FV2_L2_MAX_SEQS && rows <= FV2_L2_MAX_ROWS ? FV2_L2_LEAD : 0;
+#endif
             while (q.phase < q.phases) {
+#if FV2_L2_LEAD > 0
+                if (q.laps > 0) {
+                    unsigned long long* empty = &ring_empty[q.slot];
+                    const unsigned int ep = (q.laps - 1u) & 1u;
+                    const long long w0 = clock64();
+                    unsigned int spins = 0;
+                    while (!__shfl_sync(0xffffffffu, (int)fused_mbar_test(empty, ep), 0)) {
+                        const long long now = clock64();
+                        const bool go = pf_lead < pf_lead_max && pf.phase < pf.phases && now - w0 >= FV2_L2_IDLE_CYCLES &&
+                                        now - pf_last >= FV2_L2_PACE_CYCLES;
+                        if (__shfl_sync(0xffffffffu, (int)go, 0)) {
+                            fv2_prefetch_part(pf, pf_h);
+                            pf_last = __shfl_sync(0xffffffffu, now, 0);
+                            if (++pf_h == FV2_PARTS) {
+                                pf_h = 0;
+                                ++pf_lead;
+                                fv2_producer_advance(p, pf, ring);
+                            }
+                        }
+                        if (++spins == FUSED_RING_SPIN_LIMIT) __trap();
+                    }
+                }
+#else
                 if (q.laps > 0) fused_mbar_wait(&ring_empty[q.slot], (q.laps - 1u) & 1u);
+#endif
                 for (int h = 0; h < FV2_PARTS; ++h) {
-                    if (issued >= cap) {
+                    // Part h of this chunk was prefetched: the chunk is pf's first whole one (pf_lead > 0),
+                    // or pf is this chunk and got past part h. Then up to cap_l2 copies may fly; each part
+                    // still waits, in issue order, for the copies beyond its own cap to land.
+#if FV2_L2_LEAD > 0
+                    const bool in_l2 = pf_lead > 0 || h < pf_h;
+#else
+                    const bool in_l2 = false;
+#endif
+                    const unsigned int c = in_l2 ? cap_l2 : cap;
+                    while (issued - landed >= c) {
                         fused_mbar_wait(&ring_bars[FV2_PARTS * w_slot + w_h], w_parity);
+                        ++landed;
                         if (++w_h == FV2_PARTS) {
                             w_h = 0;
                             if (++w_slot == stages) {
@@ -2037,6 +2140,15 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
                     ++issued;
                 }
                 fv2_producer_advance(p, q, ring);
+#if FV2_L2_LEAD > 0
+                // The chunk just copied was pf's first whole one, or pf's own (then pf restarts at the next).
+                if (pf_lead > 0) {
+                    --pf_lead;
+                } else {
+                    pf = q;
+                    pf_h = 0;
+                }
+#endif
             }
         }
         return;
