@@ -9,9 +9,11 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${1:-$root/.carry/pack/candidates}
 mkdir -p "$out"
-# (none waits since session 30: ropetab and pvu1 were dropped, l2pace2i adopted; their patches are in
-# experiments/results/fused_h100_s30/patches/)
+# Session 30's (candidates/README.md): the GEMM stage's descriptor copied into registers (gcopy), and with
+# the one-pass staging's partials in registers too (gss).
 list=(
+  "gcopy gcopy"
+  "gss gcopy onepass_ss"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
@@ -58,11 +60,13 @@ for entry in "${ablations[@]}"; do build "$abl_dir" "$entry"; done
 # - timeline_stage: with marks inside gate/up's one-pass norm staging (activations loaded, row-sum barrier,
 #   normalised and stored; slots 15 and 18 as timeline_keys.patch uses them, so not with it);
 # - timeline_stage2: that kernel with a mark on entering the staging and its loads and warp sums run twice
-#   (the second pass with warm code and stack: whether the 2.7 us are the data's L2 trip or something else).
+#   (the second pass with warm code and stack: whether the 2.7 us are the data's L2 trip or something else);
+# - timeline_stage2_gss: that kernel on the gss candidate (gcopy + onepass_ss).
 timelines=(
   "timeline timeline"
   "timeline_keys timeline timeline_keys"
   "timeline_stage timeline timeline_stage"
   "timeline_stage2 timeline timeline_stage timeline_stage2"
+  "timeline_stage2_gss gcopy onepass_ss timeline timeline_stage timeline_stage2_gss"
 )
 for entry in "${timelines[@]}"; do build "$(dirname "$out")" "$entry"; done

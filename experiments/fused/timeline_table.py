@@ -131,9 +131,10 @@ SLOT_G_STAGED, SLOT_G_FIRST, SLOT_D_STAGED, SLOT_D_FIRST = 27, 28, 29, 30
 # timeline kernel, so its presence says which kernel wrote slots 15 and 18 (timeline_keys.patch uses them
 # inside the attention item's keys tile).
 SLOT_G_LOADED, SLOT_G_ROWSUM, SLOT_G_PACKED = 15, 18, 22
-# timeline_stage2.patch (on timeline_stage.patch): slot 16 on entering the one-pass staging, then the loads
-# and warp sums twice, slot 31 after the first pass (slot 15 after the second).
-SLOT_G_ENTRY, SLOT_G_PASS1 = 16, 31
+# timeline_stage2.patch (on timeline_stage.patch): slot 18 on entering the one-pass staging (instead of after
+# the row-sum barrier), then the loads and warp sums twice, slot 31 after the first pass (slot 15 after the
+# second).
+SLOT_G_ENTRY, SLOT_G_PASS1 = 18, 31
 
 
 def has_stage_marks(ctas):
@@ -192,15 +193,20 @@ def per_cta_report(path):
                     b = [m[2] for m in marked if m[0] == n]
                     print(f"| {n} | {sum(a) / len(a):.1f} | {min(a):.1f} | {max(a):.1f} | {sum(b) / len(b):.1f} | {min(b):.1f} | {max(b):.1f} |")
             if stage == "gate/up" and has_stage_marks(ctas):
-                two_pass = any(c[SLOT_G_ENTRY] > 0 and c[SLOT_G_PASS1] > 0 for c in ctas)
-                first = [("counter seen -> staging entered (fv2_gemm's call and set-up)", seen, SLOT_G_ENTRY),
-                         ("activations loaded, warp sums (first pass)", SLOT_G_ENTRY, SLOT_G_PASS1),
-                         ("barrier, then the same again (second pass: L2 data, warm code)", SLOT_G_PASS1,
-                          SLOT_G_LOADED)] if two_pass else [("activations loaded, warp sums", seen, SLOT_G_LOADED)]
-                steps = first + [
-                         ("row-sum barrier", SLOT_G_LOADED, SLOT_G_ROWSUM),
-                         ("norm weights, normalise, store", SLOT_G_ROWSUM, SLOT_G_PACKED),
-                         ("barrier before the tiles", SLOT_G_PACKED, staged)]
+                # Slot 31 is set in the gate/up stage only by timeline_stage2.patch (timeline_keys.patch,
+                # its other user, has no stage marks).
+                two_pass = any(c[SLOT_G_PASS1] > 0 for c in ctas)
+                if two_pass:
+                    steps = [("counter seen -> staging entered (fv2_gemm's call and set-up)", seen, SLOT_G_ENTRY),
+                             ("activations loaded, warp sums (first pass)", SLOT_G_ENTRY, SLOT_G_PASS1),
+                             ("barrier, then the same again (second pass: L2 data, warm code)", SLOT_G_PASS1,
+                              SLOT_G_LOADED),
+                             ("row-sum barrier, norm weights, normalise, store", SLOT_G_LOADED, SLOT_G_PACKED)]
+                else:
+                    steps = [("activations loaded, warp sums", seen, SLOT_G_LOADED),
+                             ("row-sum barrier", SLOT_G_LOADED, SLOT_G_ROWSUM),
+                             ("norm weights, normalise, store", SLOT_G_ROWSUM, SLOT_G_PACKED)]
+                steps.append(("barrier before the tiles", SLOT_G_PACKED, staged))
                 print("\ngate/up staging, thread 0's steps (timeline_stage.patch; us)")
                 print("\n| step | CTAs | median | mean | max |")
                 print("|---|---:|---:|---:|---:|")
