@@ -9,11 +9,14 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${1:-$root/.carry/pack/candidates}
 mkdir -p "$out"
-# Session 30's (candidates/README.md): the GEMM stage's descriptor copied into registers (gcopy), and with
-# the one-pass staging's partials in registers too (gss).
+# Session 30's (candidates/README.md), all taking values out of local memory: the GEMM stage's descriptor
+# copied into registers (gcopy); with the one-pass staging's partials in registers too (gss); the attention
+# item's head vectors in registers (headreg); all three (gssh).
 list=(
   "gcopy gcopy"
   "gss gcopy onepass_ss"
+  "headreg headreg"
+  "gssh gcopy onepass_ss headreg"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
