@@ -64,12 +64,14 @@ for entry in "${ablations[@]}"; do build "$abl_dir" "$entry"; done
 #   normalised and stored; slots 15 and 18 as timeline_keys.patch uses them, so not with it);
 # - timeline_stage2: that kernel with a mark on entering the staging and its loads and warp sums run twice
 #   (the second pass with warm code and stack: whether the 2.7 us are the data's L2 trip or something else);
-# - timeline_stage2_gss: that kernel on the gss candidate (gcopy + onepass_ss).
+# - timeline_stage2_gss: that kernel on the gss candidate (gcopy + onepass_ss);
+# - timeline_gssh: the timeline kernel on gssh (the attention item's head-vector step with v in registers).
 timelines=(
   "timeline timeline"
   "timeline_keys timeline timeline_keys"
   "timeline_stage timeline timeline_stage"
   "timeline_stage2 timeline timeline_stage timeline_stage2"
   "timeline_stage2_gss gcopy onepass_ss timeline timeline_stage timeline_stage2_gss"
+  "timeline_gssh gcopy onepass_ss headreg timeline"
 )
 for entry in "${timelines[@]}"; do build "$(dirname "$out")" "$entry"; done
