@@ -11,12 +11,14 @@ out=${1:-$root/.carry/pack/candidates}
 mkdir -p "$out"
 # Session 30's (candidates/README.md), all taking values out of local memory: the GEMM stage's descriptor
 # copied into registers (gcopy); with the one-pass staging's partials in registers too (gss); the attention
-# item's head vectors in registers (headreg); all three (gssh).
+# item's head vectors in registers (headreg); all three (gssh); and tile ranges without the 64-bit division
+# routine (tile32).
 list=(
   "gcopy gcopy"
   "gss gcopy onepass_ss"
   "headreg headreg"
   "gssh gcopy onepass_ss headreg"
+  "tile32 tile32"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
