@@ -137,8 +137,8 @@ fn kernel_overrides_from(
         .iter()
         .filter_map(|&v| {
             let path = get(v)?;
-            let sha256 = sha256_file(Path::new(&path))
-                .unwrap_or_else(|e| format!("unreadable: {e}"));
+            let sha256 =
+                sha256_file(Path::new(&path)).unwrap_or_else(|e| format!("unreadable: {e}"));
             Some(KernelOverride {
                 variable: v.to_string(),
                 path,
@@ -317,9 +317,16 @@ mod tests {
             "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
         );
         assert_eq!(got[1].variable, "C");
-        assert!(got[1].sha256.starts_with("unreadable: "), "{}", got[1].sha256);
+        assert!(
+            got[1].sha256.starts_with("unreadable: "),
+            "{}",
+            got[1].sha256
+        );
         let md = kernel_overrides_markdown(&got);
-        assert!(md.contains("`A` = `") && md.contains("sha256 ba7816bf"), "{md}");
+        assert!(
+            md.contains("`A` = `") && md.contains("sha256 ba7816bf"),
+            "{md}"
+        );
         assert!(kernel_overrides_markdown(&[]).is_empty());
     }
 }
