@@ -1143,17 +1143,32 @@ __device__ void fv2_producer_seek(const FusedParams& p, Fv2Producer& q, int phas
 // into its slot, on the part's own full barrier; past the end, nothing. All 32 lanes of the producer warp
 // call it with identical cursors: lane 0 sets the transaction count (0 bytes for a part past the matrix's
 // last row: the barrier completes at once), then one copy (lane 0) or one row copy per lane.
+// Part `h` of the cursor's chunk: its columns [k0, k0 + width) of the tile's rows r0 + h0 .. + hrows
+// (hrows 0 past the matrix's last row), `bytes` per row. What fv2_producer_issue_part copies and
+// fv2_prefetch_part prefetches.
+struct Fv2Part {
+    int k0, r0, h0, hrows;
+    unsigned int bytes;
+};
+__device__ __forceinline__ Fv2Part fv2_part(const Fv2Producer& q, int h) {
+    Fv2Part t;
+    t.k0 = q.kc * FV2_CHUNK_K;
+    const int width = min(FV2_CHUNK_K, q.K - t.k0);
+    t.r0 = q.tile * 16;
+    const int nrows = max(0, min(16, q.N - t.r0));
+    t.h0 = FV2_PART_ROWS * h;
+    t.hrows = max(0, min(FV2_PART_ROWS, nrows - t.h0));
+    t.bytes = (unsigned int)width * 2u;
+    return t;
+}
 __device__ void fv2_producer_issue_part(const Fv2Producer& q, Fv2Ring& ring, int h) {
     if (q.phase >= q.phases) return;
     const int lane = threadIdx.x & 31;
     const int slot = q.slot;
     unsigned char* dst = ring.slots + (size_t)slot * FV2_SLOT_BYTES;
-    const int k0 = q.kc * FV2_CHUNK_K;
-    const int width = min(FV2_CHUNK_K, q.K - k0);
-    const int r0 = q.tile * 16;
-    const int nrows = max(0, min(16, q.N - r0));
-    const int h0 = FV2_PART_ROWS * h, hrows = max(0, min(FV2_PART_ROWS, nrows - h0));
-    const unsigned int bytes = (unsigned int)width * 2u;
+    const Fv2Part t = fv2_part(q, h);
+    const int k0 = t.k0, r0 = t.r0, h0 = t.h0, hrows = t.hrows;
+    const unsigned int bytes = t.bytes;
     unsigned long long* bar = &ring.bars[FV2_PARTS * slot + h];
     if (lane == 0) fused_mbar_expect(bar, bytes * (unsigned)hrows);
     __syncwarp();
@@ -1173,16 +1188,11 @@ __device__ void fv2_producer_issue_part(const Fv2Producer& q, Fv2Ring& ring, int
 __device__ void fv2_prefetch_part(const Fv2Producer& q, int h) {
     if (q.phase >= q.phases) return;
     const int lane = threadIdx.x & 31;
-    const int k0 = q.kc * FV2_CHUNK_K;
-    const int width = min(FV2_CHUNK_K, q.K - k0);
-    const int r0 = q.tile * 16;
-    const int nrows = max(0, min(16, q.N - r0));
-    const int h0 = FV2_PART_ROWS * h, hrows = max(0, min(FV2_PART_ROWS, nrows - h0));
-    const unsigned int bytes = (unsigned int)width * 2u;
+    const Fv2Part t = fv2_part(q, h);
     if (q.K <= FV2_CHUNK_K) {
-        if (lane == 0 && hrows > 0) fused_l2_prefetch(q.w + (size_t)(r0 + h0) * q.K, bytes * (unsigned)hrows);
-    } else if (lane < hrows) {
-        fused_l2_prefetch(q.w + (size_t)(r0 + h0 + lane) * q.K + k0, bytes);
+        if (lane == 0 && t.hrows > 0) fused_l2_prefetch(q.w + (size_t)(t.r0 + t.h0) * q.K, t.bytes * (unsigned)t.hrows);
+    } else if (lane < t.hrows) {
+        fused_l2_prefetch(q.w + (size_t)(t.r0 + t.h0 + lane) * q.K + t.k0, t.bytes);
     }
 }
 // Moves the cursor to the next chunk (slot, column chunk, tile, then the next phase with tiles here).
