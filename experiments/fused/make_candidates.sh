@@ -9,15 +9,11 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${1:-$root/.carry/pack/candidates}
 mkdir -p "$out"
-# Session 30's (candidates/README.md), all taking values out of local memory: the GEMM stage's descriptor
-# copied into registers (gcopy); with the one-pass staging's partials in registers too (gss); the attention
-# item's head vectors in registers (headreg); all three (gssh); and tile ranges without the 64-bit division
-# routine (tile32).
+# Session 31's: gcopy + onepass_ss ("gss": the GEMM stage's descriptor and the one-pass staging's partials
+# in registers) are adopted; waiting on top of them: the attention item's head vectors in registers
+# (headreg) and tile ranges without the 64-bit division routine (tile32).
 list=(
-  "gcopy gcopy"
-  "gss gcopy onepass_ss"
   "headreg headreg"
-  "gssh gcopy onepass_ss headreg"
   "tile32 tile32"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
@@ -65,15 +61,14 @@ for entry in "${ablations[@]}"; do build "$abl_dir" "$entry"; done
 # - timeline_stage: with marks inside gate/up's one-pass norm staging (activations loaded, row-sum barrier,
 #   normalised and stored; slots 15 and 18 as timeline_keys.patch uses them, so not with it);
 # - timeline_stage2: that kernel with a mark on entering the staging and its loads and warp sums run twice
-#   (the second pass with warm code and stack: whether the 2.7 us are the data's L2 trip or something else);
-# - timeline_stage2_gss: that kernel on the gss candidate (gcopy + onepass_ss);
-# - timeline_gssh: the timeline kernel on gssh (the attention item's head-vector step with v in registers).
+#   (the second pass with warm code and stack; session 30's version, before gss, is under
+#   ../results/fused_h100_s30/patches/);
+# - timeline_headreg: the timeline kernel on headreg (the attention item's head-vector step with v in registers).
 timelines=(
   "timeline timeline"
   "timeline_keys timeline timeline_keys"
   "timeline_stage timeline timeline_stage"
   "timeline_stage2 timeline timeline_stage timeline_stage2"
-  "timeline_stage2_gss gcopy onepass_ss timeline timeline_stage timeline_stage2_gss"
-  "timeline_gssh gcopy onepass_ss headreg timeline"
+  "timeline_headreg headreg timeline"
 )
 for entry in "${timelines[@]}"; do build "$(dirname "$out")" "$entry"; done

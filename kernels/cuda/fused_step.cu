@@ -1297,10 +1297,11 @@ __device__ __forceinline__ uint4 fv2_norm_pack(const Fv2Gemm& g, int c, const fl
     return make_uint4(o[0], o[1], o[2], o[3]);
 }
 // Lane 0's warp sum of each row's partial into wsum[warp][m].
-__device__ __forceinline__ void fv2_warp_ss(const float* ss, int M, float (*wsum)[FV2_MAX_ROWS]) {
+template <int R>
+__device__ __forceinline__ void fv2_warp_ss(const float (&ss)[R], int M, float (*wsum)[FV2_MAX_ROWS]) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll
-    for (int m = 0; m < FV2_MAX_ROWS; ++m) {
+    for (int m = 0; m < R; ++m) {
         if (m < M) {
             float s = ss[m];
             for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
@@ -1355,9 +1356,13 @@ __device__ void fv2_stage_norm_one_pass(const FusedParams& p, const Fv2Gemm& g, 
     const int per_thread = (g.K + 8 * FUSED_THREADS - 1) / (8 * FUSED_THREADS);
     float x[FV2_ONE_PASS_PIECES][8];
     int cm[FV2_ONE_PASS_PIECES], cc[FV2_ONE_PASS_PIECES];
-    float ss[FV2_MAX_ROWS];
+    // At most FV2_ONE_PASS_PIECES rows (M x pieces per thread <= FV2_ONE_PASS_PIECES), so that many
+    // partials, each added to by a compare with the piece's row: ss[cm[u]] with cm[u] known only at run
+    // time put a 16-float array in local memory (STL/LDL on the stage's chain). The same additions in the
+    // same order, so the same bits.
+    float ss[FV2_ONE_PASS_PIECES];
 #pragma unroll
-    for (int m = 0; m < FV2_MAX_ROWS; ++m) ss[m] = 0.0f;
+    for (int m = 0; m < FV2_ONE_PASS_PIECES; ++m) ss[m] = 0.0f;
     // Piece u: row u / per_thread, the thread's (u % per_thread)-th piece of that row.
 #pragma unroll
     for (int u = 0; u < FV2_ONE_PASS_PIECES; ++u) {
@@ -1367,7 +1372,13 @@ __device__ void fv2_stage_norm_one_pass(const FusedParams& p, const Fv2Gemm& g, 
     }
 #pragma unroll
     for (int u = 0; u < FV2_ONE_PASS_PIECES; ++u) {
-        if (cm[u] < g.M && cc[u] < g.K) ss[cm[u]] = __fadd_rn(ss[cm[u]], fv2_piece_ss(x[u]));
+        if (cm[u] < g.M && cc[u] < g.K) {
+            const float v = fv2_piece_ss(x[u]);
+#pragma unroll
+            for (int m = 0; m < FV2_ONE_PASS_PIECES; ++m) {
+                if (m == cm[u]) ss[m] = __fadd_rn(ss[m], v);
+            }
+        }
     }
     fv2_warp_ss(ss, g.M, wsum);
     fv2_sync();
@@ -1480,9 +1491,15 @@ __device__ __forceinline__ void fv2_tile_out(const FusedParams& p, const Fv2Gemm
 
 // One GEMM stage: this CTA's tile range of the stage's matrix, weights from the ring.
 template <int NT>
-__device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const Fv2Gemm& g,
+__device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const Fv2Gemm& g_frame,
                                       unsigned char* scratch, int scratch_bytes, const FusedTaps* taps, int layer,
                                       int t0, int t1) {
+    // The stage's descriptor copied into registers once: through the reference each use of a field was a
+    // local-memory load (the caller's stack frame), ~270 LDL in this function's SASS, re-issued because
+    // the compiler cannot prove the stores in between do not alias it. With 228 KB of the SM's 256 KB as
+    // shared memory, the L1 that caches local memory is ~28 KB, less than the 256 consumer threads' frames,
+    // so those loads may go to L2 and sit on the stage's dependent chain.
+    const Fv2Gemm g = g_frame;
     __shared__ float inv_rms[FV2_MAX_ROWS];
     bool tapped = false;
     if (taps) {
