@@ -9,12 +9,13 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${1:-$root/.carry/pack/candidates}
 mkdir -p "$out"
-# Session 31's: gcopy + onepass_ss ("gss": the GEMM stage's descriptor and the one-pass staging's partials
-# in registers) are adopted; waiting on top of them: the attention item's head vectors in registers
-# (headreg) and tile ranges without the 64-bit division routine (tile32).
+# Session 31 adopted gss, headreg and tile32 (patches under ../results/fused_h100_s31/patches/). Its SASS
+# reading after that (candidates/README.md): the one-pass staging's partials still in local memory (ssreg),
+# the ring's barrier pointers re-loaded from local memory before every chunk's wait (ringsym), both (rss).
 list=(
-  "headreg headreg"
-  "tile32 tile32"
+  "ssreg ssreg"
+  "ringsym ringsym"
+  "rss ringsym ssreg"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
@@ -63,12 +64,12 @@ for entry in "${ablations[@]}"; do build "$abl_dir" "$entry"; done
 # - timeline_stage2: that kernel with a mark on entering the staging and its loads and warp sums run twice
 #   (the second pass with warm code and stack; session 30's version, before gss, is under
 #   ../results/fused_h100_s30/patches/);
-# - timeline_headreg: the timeline kernel on headreg (the attention item's head-vector step with v in registers).
+# - timeline_stage2_rss: that kernel on rss.
 timelines=(
   "timeline timeline"
   "timeline_keys timeline timeline_keys"
   "timeline_stage timeline timeline_stage"
   "timeline_stage2 timeline timeline_stage timeline_stage2"
-  "timeline_headreg headreg timeline"
+  "timeline_stage2_rss ringsym ssreg timeline timeline_stage timeline_stage2"
 )
 for entry in "${timelines[@]}"; do build "$(dirname "$out")" "$entry"; done

@@ -380,10 +380,15 @@ __device__ __forceinline__ void fused_phase_matrix(const FusedParams& p, int pha
     }
 }
 
+// In 32-bit unsigned arithmetic: the 64-bit division is a subroutine call (CALL __cuda_sm20_div_s64 in the
+// SASS, two per range, several ranges per layer, some after a counter wait). tiles * (blockIdx.x + 1) fits:
+// a vocabulary of 152k rows is 9.5k tiles, times a grid of at most 264 CTAs is 2.5M < 2^32. The same
+// quotients, so the same tile ranges. -1.2 to -3.9% at every v1 and v2 shape of <= 16 rows (session 31,
+// H100).
 __device__ __forceinline__ void fused_tile_range(int N, int* t0, int* t1) {
-    const long long tiles = (N + 15) / 16;
+    const unsigned int tiles = (unsigned int)(N + 15) / 16u;
     *t0 = (int)(tiles * blockIdx.x / gridDim.x);
-    *t1 = (int)(tiles * (blockIdx.x + 1) / gridDim.x);
+    *t1 = (int)(tiles * (blockIdx.x + 1u) / gridDim.x);
 }
 
 // Warp 0's position in the chunk sequence (what it copies next; the same in each of its lanes).
@@ -1498,7 +1503,8 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
     // local-memory load (the caller's stack frame), ~270 LDL in this function's SASS, re-issued because
     // the compiler cannot prove the stores in between do not alias it. With 228 KB of the SM's 256 KB as
     // shared memory, the L1 that caches local memory is ~28 KB, less than the 256 consumer threads' frames,
-    // so those loads may go to L2 and sit on the stage's dependent chain.
+    // so those loads may go to L2 and sit on the stage's dependent chain. With the one-pass staging's
+    // partials in registers too: -10 to -11% at every v2 shape on an H100 (session 31, NOTES v0.35).
     const Fv2Gemm g = g_frame;
     __shared__ float inv_rms[FV2_MAX_ROWS];
     bool tapped = false;
@@ -1703,6 +1709,107 @@ __device__ __forceinline__ void fv2_head(const FusedParams& p, const FusedLayer&
     }
 }
 
+// fv2_head with the lane's PER = head_dim / 32 elements known at compile time, so v stays in registers: with
+// the run-time `per` of fv2_head, v and RoPE's v[i + half] are indexed at run time and live in local memory,
+// whose L1 (~28 KB beside the kernel's 228 KB of shared memory) the consumer threads' frames overflow, so
+// each head vector's loads, norm and rotation waited on local-memory round trips. The same operations in
+// the same order as fv2_head, so the same bits. At 1 x 8 (six vectors a warp) the head vectors took 6.8 us, 4.4 with this
+// (session 31's timeline, H100).
+template <int PER>
+__device__ __forceinline__ void fv2_head_t(const FusedParams& p, const FusedLayer& L, int row, int y, int pos,
+                                           float (&v)[PER]) {
+    const int hd = PER * 32, lane = threadIdx.x & 31;
+    const int width = (p.n_heads + 2 * p.n_kv_heads) * hd;
+    const float* src = p.qkv + (size_t)row * width + (size_t)y * hd;
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        float x = __ldcg(src + lane + 32 * i);
+        if (L.bqkv) x += L.bqkv[y * hd + lane + 32 * i];
+        v[i] = x;
+        ss += x * x;
+    }
+    if (y >= p.n_heads + p.n_kv_heads) return;  // v head: bias only
+    if (L.q_norm) {
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        const float inv = 1.0f / sqrtf(ss / (float)hd + p.eps);
+        const float* w = y < p.n_heads ? L.q_norm : L.k_norm;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) v[i] = w[lane + 32 * i] * (v[i] * inv);
+    }
+    if (PER == 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, v[0], 16);
+        float ra, rb;
+        if (lane < 16) {
+            rope_rotate(&v[0], &other, pos, p.inv_freq[lane], &ra, &rb);
+            v[0] = ra;
+        } else {
+            rope_rotate(&other, &v[0], pos, p.inv_freq[lane - 16], &ra, &rb);
+            v[0] = rb;
+        }
+        return;
+    }
+    constexpr int half = PER / 2;
+#pragma unroll
+    for (int i = 0; i < half; ++i) {
+        float ra, rb;
+        rope_rotate(&v[i], &v[i + half], pos, p.inv_freq[lane + 32 * i], &ra, &rb);
+        v[i] = ra;
+        v[i + half] = rb;
+    }
+}
+
+// The attention item's head vectors: q of the G heads of every row (pre-scaled) into q_s, the new k and v of
+// the sequence into nkv_s and, for the positions of the item's key range, the KV cache. One warp per vector.
+// PER > 0: head_dim = 32 PER, v in registers (fv2_head_t); PER 0: any head_dim, through fv2_head.
+template <int PER>
+__device__ __forceinline__ void fv2_stage_heads(const FusedParams& p, const FusedLayer& L, int r0, int rows, int G,
+                                                int kvh, int hd, int per, int pos0, int kb_item, int ke_item,
+                                                float* q_s, float* nkv_s, int warp, int lane) {
+    constexpr int VN = PER > 0 ? PER : 8;
+    const int QV = rows * G, kv_dim = p.n_kv_heads * hd;
+    float v[VN];
+    for (int vec = warp; vec < QV + 2 * rows; vec += 8) {
+        int row, y, out_q = -1;
+        if (vec < QV) {
+            row = r0 + vec / G;
+            y = kvh * G + vec % G;
+            out_q = vec;
+        } else {
+            const int r = (vec - QV) % rows;
+            row = r0 + r;
+            y = p.n_heads + (vec - QV < rows ? 0 : p.n_kv_heads) + kvh;
+        }
+        if (PER > 0) {
+            fv2_head_t<VN>(p, L, row, y, p.positions[row], v);
+        } else {
+            fv2_head(p, L, row, y, p.positions[row], v);
+        }
+        const int n = PER > 0 ? PER : per;
+        if (out_q >= 0) {
+#pragma unroll
+            for (int i = 0; i < VN; ++i) {
+                if (i < n) q_s[out_q * hd + lane + 32 * i] = v[i] * p.scale;
+            }
+        } else {
+            const int which = vec - QV < rows ? 0 : 1, r = (vec - QV) % rows;
+#pragma unroll
+            for (int i = 0; i < VN; ++i) {
+                if (i < n) nkv_s[(which * rows + r) * hd + lane + 32 * i] = v[i];
+            }
+            // Append to the cache the positions of this item's key range (one writer per position).
+            const int kp = pos0 + r;
+            if (kp >= kb_item && kp < ke_item) {
+                float* dst = (which ? L.v_cache : L.k_cache) + (size_t)p.slots[row] * kv_dim + kvh * hd;
+#pragma unroll
+                for (int i = 0; i < VN; ++i) {
+                    if (i < n) dst[lane + 32 * i] = v[i];
+                }
+            }
+        }
+    }
+}
+
 // Warp per query vector, lane per key: scores, online softmax, then lane per output dimension. A
 // warp takes FV2_ATT_VB of its vectors (qv, qv + 8, ...) at once: each key row and each value is
 // read from shared memory once for all of them, and their chains of dependent loads, shuffles and
@@ -1831,7 +1938,6 @@ __device__ __noinline__ void fv2_attention_item(const FusedParams& p, const Fuse
     float* l_s = m_s + QV;
     float* nkv_s = m_s + ((2 * QV + 3) & ~3);  // 16-byte aligned (float4 loads) for odd QV
     int* slot_s = reinterpret_cast<int*>(nkv_s + 2 * rows * hd);
-    const int kv_dim = p.n_kv_heads * hd;
     // The first tile's cached keys before the wait (they do not depend on this step).
     const int first_nk = min(FV2_ATT_KEYS, min(keys, kb_item + per_split) - kb_item);
     const bool first_cached_only = kb_item + first_nk <= pos0;
@@ -1845,32 +1951,13 @@ __device__ __noinline__ void fv2_attention_item(const FusedParams& p, const Fuse
         *waited = true;
     }
     long long ta = fused_clock();
-    // q of the G heads of every row (pre-scaled), the new k and v of the sequence: one warp per vector.
-    float v[8];
-    for (int vec = warp; vec < QV + 2 * rows; vec += 8) {
-        int row, y, out_q = -1;
-        if (vec < QV) {
-            row = r0 + vec / G;
-            y = kvh * G + vec % G;
-            out_q = vec;
-        } else {
-            const int r = (vec - QV) % rows;
-            row = r0 + r;
-            y = p.n_heads + (vec - QV < rows ? 0 : p.n_kv_heads) + kvh;
-        }
-        fv2_head(p, L, row, y, p.positions[row], v);
-        if (out_q >= 0) {
-            for (int i = 0; i < per; ++i) q_s[out_q * hd + lane + 32 * i] = v[i] * p.scale;
-        } else {
-            const int which = vec - QV < rows ? 0 : 1, r = (vec - QV) % rows;
-            for (int i = 0; i < per; ++i) nkv_s[(which * rows + r) * hd + lane + 32 * i] = v[i];
-            // Append to the cache the positions of this item's key range (one writer per position).
-            const int kp = pos0 + r;
-            if (kp >= kb_item && kp < ke_item) {
-                float* dst = (which ? L.v_cache : L.k_cache) + (size_t)p.slots[row] * kv_dim + kvh * hd;
-                for (int i = 0; i < per; ++i) dst[lane + 32 * i] = v[i];
-            }
-        }
+    // q of the G heads of every row (pre-scaled), the new k and v of the sequence: one warp per vector,
+    // with v in registers at head_dim 32, 64 and 128 (fv2_stage_heads).
+    switch (per) {
+        case 1: fv2_stage_heads<1>(p, L, r0, rows, G, kvh, hd, per, pos0, kb_item, ke_item, q_s, nkv_s, warp, lane); break;
+        case 2: fv2_stage_heads<2>(p, L, r0, rows, G, kvh, hd, per, pos0, kb_item, ke_item, q_s, nkv_s, warp, lane); break;
+        case 4: fv2_stage_heads<4>(p, L, r0, rows, G, kvh, hd, per, pos0, kb_item, ke_item, q_s, nkv_s, warp, lane); break;
+        default: fv2_stage_heads<0>(p, L, r0, rows, G, kvh, hd, per, pos0, kb_item, ke_item, q_s, nkv_s, warp, lane); break;
     }
     const int pstride = hd + 2;  // a partial: hd outputs, m, l
     for (int sp = split; sp < split + nsplit; ++sp) {
