@@ -152,6 +152,10 @@ struct StepBenchArgs {
     /// Step backends timed side by side: standard, latency_specialized (the fused kernel, issue 6)
     #[arg(long, value_delimiter = ',', default_value = "standard")]
     backends: Vec<String>,
+    /// latency_specialized: most rows of a step the dataflow kernel (v2) takes, 1..=16 (default: the
+    /// engine's, 8); larger steps run v1. Each row of the report names the kernel it ran.
+    #[arg(long)]
+    fused_dataflow_max_rows: Option<usize>,
     #[arg(long, default_value = "experiments/results/step_bench")]
     out: PathBuf,
 }
@@ -910,6 +914,7 @@ fn cmd_bench_step(a: StepBenchArgs) -> Result<()> {
             .iter()
             .map(|b| b.parse().map_err(|e| anyhow::anyhow!("--backends: {e}")))
             .collect::<Result<_>>()?,
+        dataflow_max_rows: a.fused_dataflow_max_rows,
         out_dir: a.out,
     })?;
     Ok(())

@@ -22,7 +22,7 @@ use anyhow::{Context, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
-use specula_model::gpu::fused::StepBackend;
+use specula_model::gpu::fused::{StepBackend, DATAFLOW_MAX_ROWS};
 use specula_model::gpu::{AttentionKernel, GpuOptions, GpuSeqInput, GpuTransformer, StepAblation};
 use specula_model::loader::load;
 use specula_model::random::preset;
@@ -50,6 +50,10 @@ pub struct StepBenchConfig {
     /// Step backends timed side by side at every setting (`standard`, `latency_specialized`).
     #[serde(serialize_with = "backend_names")]
     pub backends: Vec<StepBackend>,
+    /// `latency_specialized`: most rows of a step the dataflow kernel (v2) takes
+    /// (`FusedOptions::dataflow_max_rows`, 1..=`DATAFLOW_MAX_ROWS`); None keeps the engine's default.
+    /// Larger steps run v1. For comparing the two kernels at one shape in the same harness.
+    pub dataflow_max_rows: Option<usize>,
     pub out_dir: PathBuf,
 }
 
@@ -85,6 +89,8 @@ pub struct StepRow {
     /// in `fused_fallbacks`).
     pub fused_steps: u64,
     pub fused_fallbacks: std::collections::BTreeMap<&'static str, u64>,
+    /// `latency_specialized` rows: which fused kernel this shape launches ("v1" or "v2").
+    pub fused_kernel: Option<&'static str>,
     pub running_requests: usize,
     pub tokens_per_seq: usize,
     pub steps_timed: usize,
@@ -122,6 +128,10 @@ pub struct StepBenchReport {
     pub graph_error: Option<String>,
     /// Whether the gate/up projection ran with SwiGLU fused (its tuning rows then include SwiGLU).
     pub fused_swiglu: bool,
+    /// `FusedOptions::dataflow_max_rows` in effect (the row limit of the dataflow kernel, v2).
+    pub dataflow_max_rows: usize,
+    /// `FusedOptions::dataflow_max_queries` in effect (query vectors per KV head in one sequence).
+    pub dataflow_max_queries: usize,
     /// Kernel sources replaced through a development knob (empty: this revision's kernels ran).
     pub kernel_overrides: Vec<crate::KernelOverride>,
     pub rows: Vec<StepRow>,
@@ -326,6 +336,12 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
             && cfg.tokens_per_seq.iter().all(|&t| (1..=16).contains(&t)),
         "batches must be >= 1 and tokens per sequence in 1..=16"
     );
+    if let Some(n) = cfg.dataflow_max_rows {
+        anyhow::ensure!(
+            (1..=DATAFLOW_MAX_ROWS).contains(&n),
+            "the dataflow kernel's row limit must be in 1..={DATAFLOW_MAX_ROWS}, got {n}"
+        );
+    }
     // Positions: the prompt, the committed tokens (at most T per step) and one verify block on top.
     let max_positions = (cfg.context + cfg.steps * max_t + 2 * max_t + 16).next_multiple_of(16);
     let opts = GpuOptions {
@@ -355,6 +371,12 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
         (None, None) => anyhow::bail!("give --random-weights SHAPE or --model PATH"),
     };
     gpu.device.stream.synchronize()?;
+    if let Some(n) = cfg.dataflow_max_rows {
+        let mut fused = gpu.fused_options();
+        fused.dataflow_max_rows = n;
+        gpu.set_fused_options(fused)
+            .context("setting the dataflow kernel's row limit")?;
+    }
     let model_build_s = t0.elapsed().as_secs_f64();
     let vocab = gpu.config().vocab_size as u32;
     eprintln!(
@@ -551,10 +573,16 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
             let median = percentile(&samples, 0.5);
             let kv_bytes = kv_sum / n_steps.max(1) as f64;
             let floor_ms = (gpu.weight_bytes() as f64 + kv_bytes) / (bandwidth * 1e12) * 1e3;
+            let fused_kernel = if backend == StepBackend::LatencySpecialized {
+                gpu.fused_kernel_for(b * t, t)
+            } else {
+                None
+            };
             let row = StepRow {
                 decode_backend: backend.name(),
                 fused_steps,
                 fused_fallbacks: fallbacks,
+                fused_kernel,
                 running_requests: b,
                 tokens_per_seq: t,
                 steps_timed: samples.len(),
@@ -608,6 +636,8 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
         linear_choices,
         graph_error: gpu.graph_error().map(str::to_string),
         fused_swiglu: gpu.fused_swiglu(),
+        dataflow_max_rows: gpu.fused_options().dataflow_max_rows,
+        dataflow_max_queries: gpu.fused_options().dataflow_max_queries,
         kernel_overrides: crate::kernel_overrides(),
         rows,
         profile,
@@ -652,6 +682,10 @@ graph replay = device time per replay, CUDA events around 10 replays queued back
         md.push_str(&format!("**CUDA graphs were off in this run** (capture failed: {e}); steps ran kernel by kernel.\n\n"));
     }
     md.push_str(&crate::kernel_overrides_markdown(&r.kernel_overrides));
+    md.push_str(&format!(
+        "latency_specialized runs the dataflow kernel (v2) at steps of <= {} rows whose longest sequence has at most {} query vectors per KV head (where the model's shape allows it), and v1 otherwise; its rows name the kernel they ran.\n\n",
+        r.dataflow_max_rows, r.dataflow_max_queries
+    ));
     md.push_str("| running requests | tokens/seq | backend | fused steps | step ms median | P90 | graph-replay ms | floor ms | % of floor | no-graph step ms | committed/step | mean context |\n|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for row in &r.rows {
         let fused = if row.decode_backend == StepBackend::Standard.name() {
@@ -663,9 +697,11 @@ graph replay = device time per replay, CUDA events around 10 replays queued back
                 .map(|(k, v)| format!("{k} {v}"))
                 .collect();
             format!(
-                "{}/{}{}",
+                "{}/{}{}{}",
                 row.fused_steps,
                 row.steps_timed,
+                row.fused_kernel
+                    .map_or(String::new(), |k| format!(" ({k})")),
                 if falls.is_empty() {
                     String::new()
                 } else {
@@ -759,4 +795,40 @@ graph replay = device time per replay, CUDA events around 10 replays queued back
     std::fs::write(&md_path, md).with_context(|| format!("writing {}", md_path.display()))?;
     eprintln!("wrote {} and {}", json_path.display(), md_path.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(dataflow_max_rows: Option<usize>) -> StepBenchConfig {
+        StepBenchConfig {
+            random_weights: Some("llama3.2-1b".into()),
+            model: None,
+            seed: 0,
+            batches: vec![1],
+            tokens_per_seq: vec![1],
+            context: 16,
+            steps: 1,
+            runs: 1,
+            prompts: 1,
+            acceptance_length: 3.78,
+            replay_reps: 1,
+            tune: false,
+            backends: vec![StepBackend::LatencySpecialized],
+            dataflow_max_rows,
+            out_dir: std::env::temp_dir(),
+        }
+    }
+
+    #[test]
+    fn a_dataflow_row_limit_out_of_range_is_refused_before_any_gpu_work() {
+        for n in [0, DATAFLOW_MAX_ROWS + 1] {
+            let e = run_step_bench(config(Some(n))).unwrap_err().to_string();
+            assert!(
+                e.contains("row limit") && e.contains(&format!("got {n}")),
+                "{e}"
+            );
+        }
+    }
 }
