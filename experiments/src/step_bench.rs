@@ -371,13 +371,13 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
         (None, None) => anyhow::bail!("give --random-weights SHAPE or --model PATH"),
     };
     gpu.device.stream.synchronize()?;
+    let model_build_s = t0.elapsed().as_secs_f64();
     if let Some(n) = cfg.dataflow_max_rows {
         let mut fused = gpu.fused_options();
         fused.dataflow_max_rows = n;
         gpu.set_fused_options(fused)
             .context("setting the dataflow kernel's row limit")?;
     }
-    let model_build_s = t0.elapsed().as_secs_f64();
     let vocab = gpu.config().vocab_size as u32;
     eprintln!(
         "{shape} on {} ({}): built in {model_build_s:.2} s, {:.3} GB of weights per step",
