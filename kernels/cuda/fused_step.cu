@@ -1669,12 +1669,21 @@ __device__ void fv2_load_keys(const FusedParams& p, const FusedLayer& L, int tab
 // `y` = head index in the qkv row (q heads, k heads, v heads); RoPE for q and k heads, the norm for q/k
 // heads when the model has it. hd % 64 == 0: the RoPE pairs (d, d + hd/2) sit in one lane; hd == 32: in
 // lanes d and d + 16, exchanged by a shuffle (the host builds v2 for hd in {32, 64, 128, 192, 256}).
+// PER > 0: PER = hd / 32 known at compile time, so the loops unroll and v stays in registers. With a
+// run-time count (PER 0, `per_rt`) v and RoPE's v[i + half] are indexed at run time and live in local
+// memory, whose L1 (~28 KB beside the kernel's 228 KB of shared memory) the consumer threads' frames
+// overflow: each head vector's loads, norm and rotation then wait on local-memory round trips (at 1 x 8, six
+// vectors a warp, the head vectors took 6.8 us that way and 4.4 us in registers: session 31's timeline,
+// H100). The same operations in the same order either way, so the same bits.
+template <int PER>
 __device__ __forceinline__ void fv2_head(const FusedParams& p, const FusedLayer& L, int row, int y, int pos,
-                                         float* v) {
-    const int hd = p.head_dim, per = hd / 32, lane = threadIdx.x & 31;
+                                         float* v, int per_rt) {
+    const int per = PER > 0 ? PER : per_rt;
+    const int hd = per * 32, lane = threadIdx.x & 31;
     const int width = (p.n_heads + 2 * p.n_kv_heads) * hd;
     const float* src = p.qkv + (size_t)row * width + (size_t)y * hd;
     float ss = 0.0f;
+#pragma unroll
     for (int i = 0; i < per; ++i) {
         float x = __ldcg(src + lane + 32 * i);
         if (L.bqkv) x += L.bqkv[y * hd + lane + 32 * i];
@@ -1686,6 +1695,7 @@ __device__ __forceinline__ void fv2_head(const FusedParams& p, const FusedLayer&
         for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
         const float inv = 1.0f / sqrtf(ss / (float)hd + p.eps);
         const float* w = y < p.n_heads ? L.q_norm : L.k_norm;
+#pragma unroll
         for (int i = 0; i < per; ++i) v[i] = w[lane + 32 * i] * (v[i] * inv);
     }
     if (per == 1) {
@@ -1701,55 +1711,6 @@ __device__ __forceinline__ void fv2_head(const FusedParams& p, const FusedLayer&
         return;
     }
     const int half = per / 2;
-    for (int i = 0; i < half; ++i) {
-        float ra, rb;
-        rope_rotate(&v[i], &v[i + half], pos, p.inv_freq[lane + 32 * i], &ra, &rb);
-        v[i] = ra;
-        v[i + half] = rb;
-    }
-}
-
-// fv2_head with the lane's PER = head_dim / 32 elements known at compile time, so v stays in registers: with
-// the run-time `per` of fv2_head, v and RoPE's v[i + half] are indexed at run time and live in local memory,
-// whose L1 (~28 KB beside the kernel's 228 KB of shared memory) the consumer threads' frames overflow, so
-// each head vector's loads, norm and rotation waited on local-memory round trips. The same operations in
-// the same order as fv2_head, so the same bits. At 1 x 8 (six vectors a warp) the head vectors took 6.8 us, 4.4 with this
-// (session 31's timeline, H100).
-template <int PER>
-__device__ __forceinline__ void fv2_head_t(const FusedParams& p, const FusedLayer& L, int row, int y, int pos,
-                                           float (&v)[PER]) {
-    const int hd = PER * 32, lane = threadIdx.x & 31;
-    const int width = (p.n_heads + 2 * p.n_kv_heads) * hd;
-    const float* src = p.qkv + (size_t)row * width + (size_t)y * hd;
-    float ss = 0.0f;
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        float x = __ldcg(src + lane + 32 * i);
-        if (L.bqkv) x += L.bqkv[y * hd + lane + 32 * i];
-        v[i] = x;
-        ss += x * x;
-    }
-    if (y >= p.n_heads + p.n_kv_heads) return;  // v head: bias only
-    if (L.q_norm) {
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        const float inv = 1.0f / sqrtf(ss / (float)hd + p.eps);
-        const float* w = y < p.n_heads ? L.q_norm : L.k_norm;
-#pragma unroll
-        for (int i = 0; i < PER; ++i) v[i] = w[lane + 32 * i] * (v[i] * inv);
-    }
-    if (PER == 1) {
-        const float other = __shfl_xor_sync(0xffffffffu, v[0], 16);
-        float ra, rb;
-        if (lane < 16) {
-            rope_rotate(&v[0], &other, pos, p.inv_freq[lane], &ra, &rb);
-            v[0] = ra;
-        } else {
-            rope_rotate(&other, &v[0], pos, p.inv_freq[lane - 16], &ra, &rb);
-            v[0] = rb;
-        }
-        return;
-    }
-    constexpr int half = PER / 2;
 #pragma unroll
     for (int i = 0; i < half; ++i) {
         float ra, rb;
@@ -1761,7 +1722,7 @@ __device__ __forceinline__ void fv2_head_t(const FusedParams& p, const FusedLaye
 
 // The attention item's head vectors: q of the G heads of every row (pre-scaled) into q_s, the new k and v of
 // the sequence into nkv_s and, for the positions of the item's key range, the KV cache. One warp per vector.
-// PER > 0: head_dim = 32 PER, v in registers (fv2_head_t); PER 0: any head_dim, through fv2_head.
+// PER > 0: head_dim = 32 PER, v in registers; PER 0: any head_dim (fv2_head).
 template <int PER>
 __device__ __forceinline__ void fv2_stage_heads(const FusedParams& p, const FusedLayer& L, int r0, int rows, int G,
                                                 int kvh, int hd, int per, int pos0, int kb_item, int ke_item,
@@ -1780,11 +1741,7 @@ __device__ __forceinline__ void fv2_stage_heads(const FusedParams& p, const Fuse
             row = r0 + r;
             y = p.n_heads + (vec - QV < rows ? 0 : p.n_kv_heads) + kvh;
         }
-        if (PER > 0) {
-            fv2_head_t<VN>(p, L, row, y, p.positions[row], v);
-        } else {
-            fv2_head(p, L, row, y, p.positions[row], v);
-        }
+        fv2_head<PER>(p, L, row, y, p.positions[row], v, per);
         const int n = PER > 0 ? PER : per;
         if (out_q >= 0) {
 #pragma unroll
