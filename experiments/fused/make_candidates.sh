@@ -12,10 +12,15 @@ mkdir -p "$out"
 # Session 31 adopted gss, headreg and tile32 (patches under ../results/fused_h100_s31/patches/). Its SASS
 # reading after that (candidates/README.md): the one-pass staging's partials still in local memory (ssreg),
 # the ring's barrier pointers re-loaded from local memory before every chunk's wait (ringsym), both (rss).
+# Session 32: fv2_row_rms and fv2_stage went to L2 one piece after another (each piece's loads, then their
+# use, in its own branch), so staging 8 rows took 11.2 us against 1.7 for one row: stg batches the loads
+# and takes the one-pass staging to 8 pieces (stg8) or 4 (stg4, with smaller batches and fewer spills).
+# ssreg is superseded by stg (its one-pass partials have compile-time indices).
 list=(
-  "ssreg ssreg"
   "ringsym ringsym"
-  "rss ringsym ssreg"
+  "stg8 stg"
+  "stg4 stg FV2_ONE_PASS_PIECES=4 FV2_RMS_BATCH=4 FV2_STAGE_BATCH=2"
+  "stgr stg ringsym"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
