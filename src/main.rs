@@ -153,7 +153,7 @@ struct StepBenchArgs {
     #[arg(long, value_delimiter = ',', default_value = "standard")]
     backends: Vec<String>,
     /// latency_specialized: most rows of a step the dataflow kernel (v2) takes, 1..=16 (default: the
-    /// engine's, 8); larger steps run v1. Each row of the report names the kernel it ran.
+    /// engine's, 16); larger steps run v1. Each row of the report names the kernel it ran.
     #[arg(long)]
     fused_dataflow_max_rows: Option<usize>,
     #[arg(long, default_value = "experiments/results/step_bench")]

@@ -9,18 +9,9 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${1:-$root/.carry/pack/candidates}
 mkdir -p "$out"
-# Session 31 adopted gss, headreg and tile32 (patches under ../results/fused_h100_s31/patches/). Its SASS
-# reading after that (candidates/README.md): the one-pass staging's partials still in local memory (ssreg),
-# the ring's barrier pointers re-loaded from local memory before every chunk's wait (ringsym), both (rss).
-# Session 32: fv2_row_rms and fv2_stage went to L2 one piece after another (each piece's loads, then their
-# use, in its own branch), so staging 8 rows took 11.2 us against 1.7 for one row: stg batches the loads
-# and takes the one-pass staging to 8 pieces (stg8) or 4 (stg4, with smaller batches and fewer spills).
-# ssreg is superseded by stg (its one-pass partials have compile-time indices).
+# Session 32 adopted stg4 (the norm staging's loads batched; patch under ../results/fused_h200_s32/patches/).
+# Nothing waits now; add entries as NAME PATCH... (DEFINE=VALUE edits allowed).
 list=(
-  "ringsym ringsym"
-  "stg8 stg"
-  "stg4 stg FV2_ONE_PASS_PIECES=4 FV2_RMS_BATCH=4 FV2_STAGE_BATCH=2"
-  "stgr stg ringsym"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
@@ -64,17 +55,13 @@ for entry in "${ablations[@]}"; do build "$abl_dir" "$entry"; done
 # run_fused_h200.sh runs timeline.cu, or those named in its TIMELINE_CU.
 # - timeline: timeline.patch alone;
 # - timeline_keys: with marks inside the attention item's keys tile (scores, exponentials, values);
-# - timeline_stage: with marks inside gate/up's one-pass norm staging (activations loaded, row-sum barrier,
-#   normalised and stored; slots 15 and 18 as timeline_keys.patch uses them, so not with it);
-# - timeline_stage2: that kernel with a mark on entering the staging and its loads and warp sums run twice
-#   (the second pass with warm code and stack; session 30's version, before gss, is under
-#   ../results/fused_h100_s30/patches/);
-# - timeline_stage2_rss: that kernel on rss.
+# - timeline_stage: with marks inside gate/up's norm staging (one-pass: activations loaded, row-sum
+#   barrier, normalised and stored; two-pass: row sums, inv_rms barrier, normalised and stored; slots 15,
+#   18 and 22, 15 and 18 as timeline_keys.patch uses them, so not with it). Rewritten in session 32 for the
+#   batched staging; session 31's timeline_stage2 is under ../results/fused_h100_s31/patches/.
 timelines=(
   "timeline timeline"
   "timeline_keys timeline timeline_keys"
   "timeline_stage timeline timeline_stage"
-  "timeline_stage2 timeline timeline_stage timeline_stage2"
-  "timeline_stage2_rss ringsym ssreg timeline timeline_stage timeline_stage2"
 )
 for entry in "${timelines[@]}"; do build "$(dirname "$out")" "$entry"; done

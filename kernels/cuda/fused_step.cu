@@ -1272,35 +1272,6 @@ __device__ __forceinline__ float fv2_piece_ss(const float (&x)[8]) {
     for (int j = 1; j < 8; ++j) s = __fmaf_rn(x[j], x[j], s);
     return s;
 }
-// The 8 columns [c, c + 8) of source row m of a norm stage.
-__device__ __forceinline__ void fv2_norm_src(const Fv2Gemm& g, int m, int c, float (&x)[8]) {
-    if (g.src == FV2_SRC_EMBED_NORM) {
-        const uint4 e = *reinterpret_cast<const uint4*>(g.embed + (size_t)g.tokens[m] * g.K + c);
-        const unsigned int w4[4] = {e.x, e.y, e.z, e.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            x[2 * j] = bf16_to_f32((unsigned short)(w4[j] & 0xffffu));
-            x[2 * j + 1] = bf16_to_f32((unsigned short)(w4[j] >> 16));
-        }
-    } else {
-        const int r = g.src_rows ? g.src_rows[m] : m;
-        const float4 a = fv2_ldcg4(g.xf + (size_t)r * g.K + c);
-        const float4 b = fv2_ldcg4(g.xf + (size_t)r * g.K + c + 4);
-        x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
-        x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
-    }
-}
-// The normalised piece as 8 bf16: rms_norm_bf16_body's expression, w * (x * inv), rounded to bf16.
-__device__ __forceinline__ uint4 fv2_norm_pack(const Fv2Gemm& g, int c, const float (&x)[8], float inv) {
-    unsigned int o[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const unsigned int lo = f32_to_bf16(g.norm_w[c + 2 * j] * (x[2 * j] * inv));
-        const unsigned int hi = f32_to_bf16(g.norm_w[c + 2 * j + 1] * (x[2 * j + 1] * inv));
-        o[j] = lo | (hi << 16);
-    }
-    return make_uint4(o[0], o[1], o[2], o[3]);
-}
 // Lane 0's warp sum of each row's partial into wsum[warp][m].
 template <int R>
 __device__ __forceinline__ void fv2_warp_ss(const float (&ss)[R], int M, float (*wsum)[FV2_MAX_ROWS]) {
@@ -1314,114 +1285,260 @@ __device__ __forceinline__ void fv2_warp_ss(const float (&ss)[R], int M, float (
         }
     }
 }
-__device__ __forceinline__ float fv2_inv_rms(const FusedParams& p, const float (*wsum)[FV2_MAX_ROWS], int m, int K) {
-    float total = 0.0f;
-    for (int w = 0; w < 8; ++w) total = __fadd_rn(total, wsum[w][m]);
-    return 1.0f / sqrtf(total / (float)K + p.eps);
+// Norm staging's batches: pieces in one pass (fv2_stage_norm_one_pass), rows per batch of fv2_row_rms,
+// pieces per batch of fv2_stage_norm. Each batch's pieces sit in registers at once (8 floats a piece),
+// inlined into fv2_gemm: with __noinline__ staging functions the calls' register saves cost 400-600
+// bytes of spills per kernel, and with norm weights held per piece in fv2_stage_norm the kernel's
+// spills reached the producer warp's loop (ptxas --resources, SASS). Batching the loads (`stg`, session
+// 32, NOTES v0.36, H200, graph replay against the kernel before it, two calls): at 4 / 4 / 2, -5 % at
+// 1 x 8, -8 % at 2 x 8 and 4 x 1, -3.5 % at 8 x 1, -1 % at 2 x 1, +0.3-0.6 % at 1 x 1. At 8 / 8 / 4 (one
+// pass up to 8 rows) it gained more at 8 rows (-10 % at 1 x 8, -8.4 % at 8 x 1) but lost 3.6 % at 1 x 1:
+// its spills (64/104 bytes in the kernel against 44/60) include loads in the producer warp's loop.
+#ifndef FV2_ONE_PASS_PIECES
+#define FV2_ONE_PASS_PIECES 4
+#endif
+#ifndef FV2_RMS_BATCH
+#define FV2_RMS_BATCH 4
+#endif
+#ifndef FV2_STAGE_BATCH
+#define FV2_STAGE_BATCH 2
+#endif
+// A norm stage's source: the fields of Fv2Gemm that its staging reads.
+struct Fv2NormSrc {
+    int src, K, M;
+    float eps;
+    const float* xf;
+    const int* src_rows;
+    const float* norm_w;
+    const unsigned short* embed;
+    const int* tokens;
+};
+__device__ __forceinline__ Fv2NormSrc fv2_norm_src_of(const FusedParams& p, const Fv2Gemm& g) {
+    Fv2NormSrc s;
+    s.src = g.src;
+    s.K = g.K;
+    s.M = g.M;
+    s.eps = p.eps;
+    s.xf = g.xf;
+    s.src_rows = g.src_rows;
+    s.norm_w = g.norm_w;
+    s.embed = g.embed;
+    s.tokens = g.tokens;
+    return s;
 }
 
-// inv_rms[m] for the M source rows of a norm stage: all rows' loads in flight together (pieces outer,
-// rows inner).
-__device__ void fv2_row_rms(const FusedParams& p, const Fv2Gemm& g, float* inv_rms) {
+// Loads the pieces u < P (source row cm[u], columns [cc[u], cc[u] + 8)) of a norm stage into x, every
+// load issued before the first use. fv2_norm_src tested the source kind inside the per-piece loop, and
+// the compiler made a branch of each piece holding its loads and then their use, so a thread's pieces
+// went to L2 one after another: SASS of fv2_row_rms, 16 load-then-sum blocks in sequence; fv2_stage's
+// four pieces likewise. At 8 rows the staging took 11.2 us against 1.7 at one row (session 31's
+// timeline, 1 x 8). Here the kind is tested once and each load is predicated on its piece being live.
+template <int P>
+__device__ __forceinline__ void fv2_norm_load(const Fv2NormSrc& s, const int (&cm)[P], const int (&cc)[P],
+                                              const bool (&live)[P], float (&x)[P][8]) {
+    const int K = s.K;
+    if (s.src == FV2_SRC_EMBED_NORM) {
+        int tok[P];
+#pragma unroll
+        for (int u = 0; u < P; ++u) tok[u] = live[u] ? s.tokens[cm[u]] : 0;
+        uint4 e[P];
+#pragma unroll
+        for (int u = 0; u < P; ++u) {
+            e[u] = make_uint4(0u, 0u, 0u, 0u);
+            if (live[u]) e[u] = *reinterpret_cast<const uint4*>(s.embed + (size_t)tok[u] * K + cc[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < P; ++u) {
+            const unsigned int w4[4] = {e[u].x, e[u].y, e[u].z, e[u].w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                x[u][2 * j] = bf16_to_f32((unsigned short)(w4[j] & 0xffffu));
+                x[u][2 * j + 1] = bf16_to_f32((unsigned short)(w4[j] >> 16));
+            }
+        }
+    } else {
+        int r[P];
+#pragma unroll
+        for (int u = 0; u < P; ++u) r[u] = cm[u];
+        if (s.src_rows) {
+#pragma unroll
+            for (int u = 0; u < P; ++u) r[u] = live[u] ? s.src_rows[cm[u]] : 0;
+        }
+        float4 a[P], b[P];
+#pragma unroll
+        for (int u = 0; u < P; ++u) {
+            a[u] = b[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (live[u]) {
+                a[u] = fv2_ldcg4(s.xf + (size_t)r[u] * K + cc[u]);
+                b[u] = fv2_ldcg4(s.xf + (size_t)r[u] * K + cc[u] + 4);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < P; ++u) {
+            x[u][0] = a[u].x; x[u][1] = a[u].y; x[u][2] = a[u].z; x[u][3] = a[u].w;
+            x[u][4] = b[u].x; x[u][5] = b[u].y; x[u][6] = b[u].z; x[u][7] = b[u].w;
+        }
+    }
+}
+// rms_norm_bf16_body's expression for 8 columns, w * (x * inv), rounded to bf16 (fv2_norm_pack's).
+__device__ __forceinline__ uint4 fv2_norm_pack_w(const float (&w)[8], const float (&x)[8], float inv) {
+    unsigned int o[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const unsigned int lo = f32_to_bf16(w[2 * j] * (x[2 * j] * inv));
+        const unsigned int hi = f32_to_bf16(w[2 * j + 1] * (x[2 * j + 1] * inv));
+        o[j] = lo | (hi << 16);
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+__device__ __forceinline__ float fv2_inv_rms_s(const Fv2NormSrc& s, const float (*wsum)[FV2_MAX_ROWS], int m) {
+    float total = 0.0f;
+    for (int w = 0; w < 8; ++w) total = __fadd_rn(total, wsum[w][m]);
+    return 1.0f / sqrtf(total / (float)s.K + s.eps);
+}
+
+// inv_rms[m] for the M source rows of a norm stage that fv2_one_pass does not take (more pieces than
+// FV2_ONE_PASS_PIECES, or more than two per row): the rows in groups of FV2_RMS_BATCH, each group's loads
+// in flight together. Every row's partial adds its pieces in column order, as the one-pass staging does.
+__device__ __forceinline__ void fv2_row_rms(const Fv2NormSrc s, float* inv_rms) {
     __shared__ float wsum[8][FV2_MAX_ROWS];
     const int tid = threadIdx.x;
     float ss[FV2_MAX_ROWS];
 #pragma unroll
     for (int m = 0; m < FV2_MAX_ROWS; ++m) ss[m] = 0.0f;
-    for (int c = tid * 8; c < g.K; c += 8 * FUSED_THREADS) {
+    for (int c = tid * 8; c < s.K; c += 8 * FUSED_THREADS) {
 #pragma unroll
-        for (int m = 0; m < FV2_MAX_ROWS; ++m) {
-            if (m < g.M) {
-                float x[8];
-                fv2_norm_src(g, m, c, x);
-                ss[m] = __fadd_rn(ss[m], fv2_piece_ss(x));
+        for (int m0 = 0; m0 < FV2_MAX_ROWS; m0 += FV2_RMS_BATCH) {
+            if (m0 < s.M) {
+                int cm[FV2_RMS_BATCH], cc[FV2_RMS_BATCH];
+                bool live[FV2_RMS_BATCH];
+#pragma unroll
+                for (int u = 0; u < FV2_RMS_BATCH; ++u) {
+                    cm[u] = m0 + u;
+                    cc[u] = c;
+                    live[u] = m0 + u < s.M;
+                }
+                float x[FV2_RMS_BATCH][8];
+                fv2_norm_load<FV2_RMS_BATCH>(s, cm, cc, live, x);
+#pragma unroll
+                for (int u = 0; u < FV2_RMS_BATCH; ++u) {
+                    if (live[u]) ss[m0 + u] = __fadd_rn(ss[m0 + u], fv2_piece_ss(x[u]));
+                }
             }
         }
     }
-    fv2_warp_ss(ss, g.M, wsum);
+    fv2_warp_ss(ss, s.M, wsum);
     fv2_sync();
-    if (tid < g.M) inv_rms[tid] = fv2_inv_rms(p, wsum, tid, g.K);
+    if (tid < s.M) inv_rms[tid] = fv2_inv_rms_s(s, wsum, tid);
     fv2_sync();
 }
 
-// A norm stage staged whole in one pass when each thread has at most FV2_ONE_PASS_PIECES pieces (M x
-// pieces per row per thread: one or two rows of hidden <= 2048, one row of <= 4096): the pieces are
-// loaded once into registers, summed exactly as fv2_row_rms sums them, then normalised from the
-// registers as fv2_stage does (same inv_rms, same expression). One L2 round trip and one barrier fewer
-// than fv2_row_rms + fv2_stage (4% of a 1 x 1 step, NOTES v0.15). The caller syncs before the tiles
-// read xs.
-#define FV2_ONE_PASS_PIECES 2
-__device__ __forceinline__ bool fv2_one_pass(const Fv2Gemm& g) {
-    const int per_thread = (g.K + 8 * FUSED_THREADS - 1) / (8 * FUSED_THREADS);
-    return g.src != FV2_SRC_BF16 && g.K % 8 == 0 && g.M * per_thread <= FV2_ONE_PASS_PIECES;
+// A norm stage staged whole in one pass when each thread has at most two pieces per row and at most
+// FV2_ONE_PASS_PIECES pieces in all (at 4: up to 4 rows of hidden <= 2048, 2 rows of hidden <= 4096): the
+// pieces are loaded once into registers, all in flight together, summed exactly as fv2_row_rms sums
+// them, then normalised from the registers as fv2_stage does (same inv_rms, same expression). One L2
+// round trip and one barrier fewer than fv2_row_rms + fv2_stage (4% of a 1 x 1 step, NOTES v0.15). The
+// norm weights of the thread's columns are loaded with the pieces, so the pack after the barrier waits
+// for no load. The caller syncs before the tiles read xs.
+__device__ __forceinline__ int fv2_pieces_per_row(const Fv2Gemm& g) {
+    return (g.K + 8 * FUSED_THREADS - 1) / (8 * FUSED_THREADS);
 }
-__device__ void fv2_stage_norm_one_pass(const FusedParams& p, const Fv2Gemm& g, unsigned char* xs, int xs_stride) {
+__device__ __forceinline__ bool fv2_one_pass(const Fv2Gemm& g) {
+    const int per_row = fv2_pieces_per_row(g);
+    return g.src != FV2_SRC_BF16 && g.K % 8 == 0 && per_row <= 2 && g.M * per_row <= FV2_ONE_PASS_PIECES;
+}
+// PT pieces per row per thread (1 or 2), so every index is compile-time: piece u is row u / PT's columns
+// (tid + (u % PT) * FUSED_THREADS) * 8 + [0, 8).
+template <int PT>
+__device__ __forceinline__ void fv2_stage_norm_one_pass(const Fv2NormSrc s, unsigned char* xs, int xs_stride) {
+    constexpr int P = FV2_ONE_PASS_PIECES, R = P / PT;
     __shared__ float wsum[8][FV2_MAX_ROWS];
     const int tid = threadIdx.x;
-    const int per_thread = (g.K + 8 * FUSED_THREADS - 1) / (8 * FUSED_THREADS);
-    float x[FV2_ONE_PASS_PIECES][8];
-    int cm[FV2_ONE_PASS_PIECES], cc[FV2_ONE_PASS_PIECES];
-    // At most FV2_ONE_PASS_PIECES rows (M x pieces per thread <= FV2_ONE_PASS_PIECES), so that many
-    // partials, each added to by a compare with the piece's row: ss[cm[u]] with cm[u] known only at run
-    // time put a 16-float array in local memory (STL/LDL on the stage's chain). The same additions in the
-    // same order, so the same bits.
-    float ss[FV2_ONE_PASS_PIECES];
+    float x[P][8];
+    int cm[P], cc[P];
+    bool live[P];
 #pragma unroll
-    for (int m = 0; m < FV2_ONE_PASS_PIECES; ++m) ss[m] = 0.0f;
-    // Piece u: row u / per_thread, the thread's (u % per_thread)-th piece of that row.
-#pragma unroll
-    for (int u = 0; u < FV2_ONE_PASS_PIECES; ++u) {
-        cm[u] = u / per_thread;
-        cc[u] = (tid + (u % per_thread) * FUSED_THREADS) * 8;
-        if (cm[u] < g.M && cc[u] < g.K) fv2_norm_src(g, cm[u], cc[u], x[u]);
+    for (int u = 0; u < P; ++u) {
+        cm[u] = u / PT;
+        cc[u] = (tid + (u % PT) * FUSED_THREADS) * 8;
+        live[u] = cm[u] < s.M && cc[u] < s.K;
     }
+    fv2_norm_load<P>(s, cm, cc, live, x);
+    float w[PT][8];
 #pragma unroll
-    for (int u = 0; u < FV2_ONE_PASS_PIECES; ++u) {
-        if (cm[u] < g.M && cc[u] < g.K) {
-            const float v = fv2_piece_ss(x[u]);
+    for (int j = 0; j < PT; ++j) {
+        const int c = (tid + j * FUSED_THREADS) * 8;
+        const bool need = c < s.K;
 #pragma unroll
-            for (int m = 0; m < FV2_ONE_PASS_PIECES; ++m) {
-                if (m == cm[u]) ss[m] = __fadd_rn(ss[m], v);
-            }
+        for (int e = 0; e < 8; ++e) w[j][e] = need ? __ldg(s.norm_w + c + e) : 0.0f;
+    }
+    float ss[R];
+#pragma unroll
+    for (int m = 0; m < R; ++m) {
+        ss[m] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < PT; ++j) {
+            if (live[m * PT + j]) ss[m] = __fadd_rn(ss[m], fv2_piece_ss(x[m * PT + j]));
         }
     }
-    fv2_warp_ss(ss, g.M, wsum);
+    fv2_warp_ss(ss, s.M, wsum);
     fv2_sync();
 #pragma unroll
-    for (int u = 0; u < FV2_ONE_PASS_PIECES; ++u) {
-        const int m = cm[u], c = cc[u];
-        if (m >= g.M || c >= g.K) continue;
-        *reinterpret_cast<uint4*>(xs + (size_t)m * xs_stride + (size_t)c * 2) =
-            fv2_norm_pack(g, c, x[u], fv2_inv_rms(p, wsum, m, g.K));
+    for (int u = 0; u < P; ++u) {
+        if (!live[u]) continue;
+        *reinterpret_cast<uint4*>(xs + (size_t)cm[u] * xs_stride + (size_t)cc[u] * 2) =
+            fv2_norm_pack_w(w[u % PT], x[u], fv2_inv_rms_s(s, wsum, cm[u]));
     }
 }
 
-// Stages activation columns [k0, k0 + width) of the M rows as bf16 into xs (row stride xs_stride).
-__device__ void fv2_stage(const Fv2Gemm& g, const float* inv_rms, int k0, int width, unsigned char* xs,
-                          int xs_stride) {
+// Stages norm-source columns [k0, k0 + width) of the M rows as bf16 into xs (row stride xs_stride),
+// FV2_STAGE_BATCH pieces at a time, each batch's loads in flight together.
+__device__ __forceinline__ void fv2_stage_norm(const Fv2NormSrc s, const float* inv_rms, int k0, int width,
+                                            unsigned char* xs, int xs_stride) {
+    constexpr int P = FV2_STAGE_BATCH;
     const int per_row = width / 8;  // 8-column pieces
+    const int pieces = s.M * per_row;
+    for (int base = threadIdx.x; base < pieces; base += P * FUSED_THREADS) {
+        int cm[P], cc[P];
+        bool live[P];
+#pragma unroll
+        for (int u = 0; u < P; ++u) {
+            const int i = base + u * FUSED_THREADS;
+            live[u] = i < pieces;
+            cm[u] = live[u] ? i / per_row : 0;
+            cc[u] = live[u] ? k0 + (i % per_row) * 8 : 0;
+        }
+        float x[P][8];
+        fv2_norm_load<P>(s, cm, cc, live, x);
+#pragma unroll
+        for (int u = 0; u < P; ++u) {
+            if (!live[u]) continue;
+            float w[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) w[e] = __ldg(s.norm_w + cc[u] + e);
+            *reinterpret_cast<uint4*>(xs + (size_t)cm[u] * xs_stride + (size_t)(cc[u] - k0) * 2) =
+                fv2_norm_pack_w(w, x[u], inv_rms[cm[u]]);
+        }
+    }
+}
+
+// Stages columns [k0, k0 + width) of the M rows of a bf16 source (FV2_SRC_BF16: x16, written earlier in
+// this kernel) into xs, 4 pieces at a time (the path for K % 8 != 0, where fv2_stage_async cannot copy).
+__device__ void fv2_stage_bf16(const Fv2Gemm& g, int k0, int width, unsigned char* xs, int xs_stride) {
+    const int per_row = width / 8;
     const int pieces = g.M * per_row;
     for (int base = threadIdx.x; base < pieces; base += 4 * FUSED_THREADS) {
         uint4 v[4];
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             const int i = base + u * FUSED_THREADS;
-            if (i >= pieces) continue;
-            const int m = i / per_row, c = k0 + (i % per_row) * 8;
-            if (g.src == FV2_SRC_BF16) {
-                v[u] = fv2_ldcg16(g.x16 + (size_t)m * g.K + c);
-            } else {
-                float x[8];
-                fv2_norm_src(g, m, c, x);
-                v[u] = fv2_norm_pack(g, c, x, inv_rms[m]);
-            }
+            v[u] = make_uint4(0u, 0u, 0u, 0u);
+            if (i < pieces) v[u] = fv2_ldcg16(g.x16 + (size_t)(i / per_row) * g.K + k0 + (i % per_row) * 8);
         }
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             const int i = base + u * FUSED_THREADS;
-            if (i < pieces) {
-                *reinterpret_cast<uint4*>(xs + (size_t)(i / per_row) * xs_stride + (i % per_row) * 16) = v[u];
-            }
+            if (i < pieces) *reinterpret_cast<uint4*>(xs + (size_t)(i / per_row) * xs_stride + (i % per_row) * 16) = v[u];
         }
     }
 }
@@ -1538,16 +1655,24 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
     const bool async_src = g.src == FV2_SRC_BF16 && g.K % 8 == 0;
     const bool two_bufs = !whole && async_src && 2 * g.M * xs_stride <= xs_cap;
     if (whole && fv2_one_pass(g)) {
-        fv2_stage_norm_one_pass(p, g, xs, xs_stride);
+        if (fv2_pieces_per_row(g) == 1) {
+            fv2_stage_norm_one_pass<1>(fv2_norm_src_of(p, g), xs, xs_stride);
+        } else {
+            fv2_stage_norm_one_pass<2>(fv2_norm_src_of(p, g), xs, xs_stride);
+        }
         fv2_sync();
     } else if (whole && async_src) {
         fv2_stage_async(g, 0, g.K, xs, xs_stride);
         fused_cp_async_wait(0);
         fv2_sync();
     } else {
-        if (g.src != FV2_SRC_BF16) fv2_row_rms(p, g, inv_rms);
+        if (g.src != FV2_SRC_BF16) fv2_row_rms(fv2_norm_src_of(p, g), inv_rms);
         if (whole) {
-            fv2_stage(g, inv_rms, 0, g.K, xs, xs_stride);
+            if (g.src == FV2_SRC_BF16) {
+                fv2_stage_bf16(g, 0, g.K, xs, xs_stride);
+            } else {
+                fv2_stage_norm(fv2_norm_src_of(p, g), inv_rms, 0, g.K, xs, xs_stride);
+            }
             fv2_sync();
         }
     }
@@ -1589,7 +1714,11 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
                 xs_k = xs + (size_t)(kc & 1) * g.M * xs_stride;
             } else if (!whole) {
                 ts = fused_clock();
-                fv2_stage(g, inv_rms, k0, width, xs, xs_stride);
+                if (g.src == FV2_SRC_BF16) {
+                    fv2_stage_bf16(g, k0, width, xs, xs_stride);
+                } else {
+                    fv2_stage_norm(fv2_norm_src_of(p, g), inv_rms, k0, width, xs, xs_stride);
+                }
                 fv2_sync();
                 if (g.src != FV2_SRC_BF16) fused_prof_add(12, ts);
                 fused_prof_add(22, ts);

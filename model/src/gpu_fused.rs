@@ -410,8 +410,12 @@ pub struct FusedOptions {
     /// take (head_dim other than 32 or a multiple of 64 up to 256), run v1. On by default: on
     /// llama3.2-1b measured faster than v1 at 1-8 rows except 8 requests x 1 token (2.5% slower),
     /// slower at 16 rows; on qwen2.5-coder-1.5b slower than v1 at 1 request x 8 tokens (NOTES v0.14).
+    /// Since then v2 has passed v1 at 8 x 1 and at 16 rows too (NOTES v0.35-v0.36).
     pub dataflow: bool,
-    /// Most rows of a step v2 takes (at most `DATAFLOW_MAX_ROWS`; default 8, where it stops winning).
+    /// Most rows of a step v2 takes (at most `DATAFLOW_MAX_ROWS`). Default 16: on the H200 (session 32,
+    /// NOTES v0.36) llama3.2-1b at 2 requests x 8 tokens took 2.04 ms on v2 against 2.55 on v1
+    /// (`bench step --fused-dataflow-max-rows 16` against 8); llama3.1-8b ran v1 under both limits, since
+    /// v2's shared-memory plan leaves it one ring slot at 16 rows.
     pub dataflow_max_rows: usize,
     /// Most query vectors one of v2's attention items holds, a sequence's rows x query heads per KV
     /// head; steps with a longer sequence run v1. Default 32: llama3.2-1b at 1 request x 8 tokens (32)
@@ -431,7 +435,7 @@ impl Default for FusedOptions {
             ldgsts: false,
             cooperative: true,
             dataflow: true,
-            dataflow_max_rows: 8,
+            dataflow_max_rows: 16,
             dataflow_max_queries: 32,
             mode: FusedMode::Full,
         }
@@ -1823,17 +1827,17 @@ mod tests {
                 d.dataflow_max_queries,
             )
         };
-        // llama3.2-1b (4 query heads per KV head): every measured shape of <= 8 rows.
-        for (rows, seq_rows) in [(1, 1), (2, 1), (4, 1), (8, 1), (8, 8)] {
+        // llama3.2-1b (4 query heads per KV head): every measured shape of <= 16 rows.
+        for (rows, seq_rows) in [(1, 1), (2, 1), (4, 1), (8, 1), (8, 8), (9, 1), (16, 8)] {
             assert!(
                 takes(rows, seq_rows, 4),
                 "{rows} rows, {seq_rows} per sequence"
             );
         }
-        // More than 8 rows, or a sequence whose items would hold more than 32 query vectors
+        // More than 16 rows, or a sequence whose items would hold more than 32 query vectors
         // (qwen2.5-coder-1.5b, 6 per KV head, at 1 request x 8 tokens), run v1.
-        assert!(!takes(16, 8, 4));
-        assert!(!takes(9, 1, 4));
+        assert!(!takes(17, 1, 4));
+        assert!(!takes(32, 8, 4));
         assert!(!takes(8, 8, 6));
         assert!(takes(8, 1, 6) && takes(5, 5, 6) && !takes(6, 6, 6));
         assert!(!takes(1, usize::MAX, 4), "no overflow");
