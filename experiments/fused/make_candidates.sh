@@ -10,8 +10,12 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${1:-$root/.carry/pack/candidates}
 mkdir -p "$out"
 # Session 32 adopted stg4 (the norm staging's loads batched; patch under ../results/fused_h200_s32/patches/).
-# Nothing waits now; add entries as NAME PATCH... (DEFINE=VALUE edits allowed).
+# Its candidates after the runs: opg (the one-pass staging in groups of rows, for every norm stage of <= 2
+# pieces per row), stgw (fv2_stage_norm's norm weights loaded once per thread), and both.
 list=(
+  "opg opg"
+  "stgw stgw"
+  "opgw opg stgw"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
