@@ -127,11 +127,14 @@ SLOT_Q_SEEN = 1
 # weights ready, for gate/up and down.
 SLOT_G_STAGED, SLOT_G_FIRST, SLOT_D_STAGED, SLOT_D_FIRST = 27, 28, 29, 30
 # timeline_stage.patch's marks inside gate/up's one-pass norm staging (thread 0): activations loaded and
-# warp-summed, the row-sum barrier passed, pieces normalised and stored. Slot 22 is set by no other
+# warp-summed, the row-sum barrier passed, pieces normalised and stored. Since session 32 the two-pass
+# staging (more pieces than the one pass takes) sets the same slots at its matching points: row sums
+# loaded and warp-summed, the inv_rms barrier passed, pieces normalised and stored. Slot 22 is set by no other
 # timeline kernel, so its presence says which kernel wrote slots 15 and 18 (timeline_keys.patch uses them
 # inside the attention item's keys tile).
 SLOT_G_LOADED, SLOT_G_ROWSUM, SLOT_G_PACKED = 15, 18, 22
-# timeline_stage2.patch (on timeline_stage.patch): slot 18 on entering the one-pass staging (instead of after
+# timeline_stage2.patch (session 31, now under ../results/fused_h100_s31/patches/; on that session's
+# timeline_stage.patch): slot 18 on entering the one-pass staging (instead of after
 # the row-sum barrier), then the loads and warp sums twice, slot 31 after the first pass (slot 15 after the
 # second).
 SLOT_G_ENTRY, SLOT_G_PASS1 = 18, 31
