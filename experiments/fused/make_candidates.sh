@@ -16,6 +16,8 @@ list=(
   "opg opg"
   "stgw stgw"
   "opgw opg stgw"
+  "rowrope rowrope"
+  "opgr opg rowrope"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
