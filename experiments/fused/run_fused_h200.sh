@@ -18,8 +18,8 @@
 # latency_specialized shape policy in $E2E_SHAPES, default "measured all"), e2e-long (the same at a 4000-token
 # prompt, measured policy only: 256 new tokens cross from the 4096-key context bucket into the 8192 one,
 # so each bucket's timings are in its report),
-# rows16 (`bench step` at 2 x 8 with v2's row limit at 8, the engine's default, and at 16: v1 against v2 at
-# 16 rows, llama3.2-1b and llama3.1-8b),
+# rows16 (`bench step` at 2 x 8 with v2's row limit at 8 and at 16, the engine's default since session 32:
+# v1 against v2 at 16 rows, llama3.2-1b and llama3.1-8b),
 # ab (candidate kernels: every NAME.cu under $AB_DIR, default .carry/pack/candidates, or those named in
 # $AB_ONLY (space-separated), loaded through
 # SPECULA_FUSED_STEP_CU: first `gpu_fused_check --quick` for every candidate (AB_CHECK=0: none; AB_CHECK="a b":
@@ -179,9 +179,10 @@ if has shapes; then
   timeout 300 "$bin/specula" bench step --random-weights llama3.1-8b --backends standard,latency_specialized --steps 32 --out "$res" 2>&1 | tee "$res/step_l8.txt" | tail -14 || status=1; pack
 fi
 if has rows16; then
-  # v1 against v2 at 16 rows (2 requests x 8 tokens), in the same harness: the engine's row limit for v2
-  # (FusedOptions::dataflow_max_rows, 8) and 16. llama3.2-1b and llama3.1-8b (G = 4: 32 query vectors
-  # per sequence, within v2's limit); qwen2.5-coder-1.5b's 48 keep it on v1.
+  # v1 against v2 at 16 rows (2 requests x 8 tokens), in the same harness: v2's row limit
+  # (FusedOptions::dataflow_max_rows) at 8 and at 16 (the default since session 32). llama3.2-1b and
+  # llama3.1-8b (G = 4: 32 query vectors per sequence, within v2's limit); qwen2.5-coder-1.5b's 48 keep it
+  # on v1.
   for m in llama3.2-1b llama3.1-8b; do
     for r in 8 16; do
       mkdir -p "$res/rows16_${m}_$r"

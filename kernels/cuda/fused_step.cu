@@ -1303,30 +1303,6 @@ __device__ __forceinline__ void fv2_warp_ss(const float (&ss)[R], int M, float (
 #ifndef FV2_STAGE_BATCH
 #define FV2_STAGE_BATCH 2
 #endif
-// A norm stage's source: the fields of Fv2Gemm that its staging reads.
-struct Fv2NormSrc {
-    int src, K, M;
-    float eps;
-    const float* xf;
-    const int* src_rows;
-    const float* norm_w;
-    const unsigned short* embed;
-    const int* tokens;
-};
-__device__ __forceinline__ Fv2NormSrc fv2_norm_src_of(const FusedParams& p, const Fv2Gemm& g) {
-    Fv2NormSrc s;
-    s.src = g.src;
-    s.K = g.K;
-    s.M = g.M;
-    s.eps = p.eps;
-    s.xf = g.xf;
-    s.src_rows = g.src_rows;
-    s.norm_w = g.norm_w;
-    s.embed = g.embed;
-    s.tokens = g.tokens;
-    return s;
-}
-
 // Loads the pieces u < P (source row cm[u], columns [cc[u], cc[u] + 8)) of a norm stage into x, every
 // load issued before the first use. fv2_norm_src tested the source kind inside the per-piece loop, and
 // the compiler made a branch of each piece holding its loads and then their use, so a thread's pieces
@@ -1334,18 +1310,18 @@ __device__ __forceinline__ Fv2NormSrc fv2_norm_src_of(const FusedParams& p, cons
 // four pieces likewise. At 8 rows the staging took 11.2 us against 1.7 at one row (session 31's
 // timeline, 1 x 8). Here the kind is tested once and each load is predicated on its piece being live.
 template <int P>
-__device__ __forceinline__ void fv2_norm_load(const Fv2NormSrc& s, const int (&cm)[P], const int (&cc)[P],
+__device__ __forceinline__ void fv2_norm_load(const Fv2Gemm& g, const int (&cm)[P], const int (&cc)[P],
                                               const bool (&live)[P], float (&x)[P][8]) {
-    const int K = s.K;
-    if (s.src == FV2_SRC_EMBED_NORM) {
+    const int K = g.K;
+    if (g.src == FV2_SRC_EMBED_NORM) {
         int tok[P];
 #pragma unroll
-        for (int u = 0; u < P; ++u) tok[u] = live[u] ? s.tokens[cm[u]] : 0;
+        for (int u = 0; u < P; ++u) tok[u] = live[u] ? g.tokens[cm[u]] : 0;
         uint4 e[P];
 #pragma unroll
         for (int u = 0; u < P; ++u) {
             e[u] = make_uint4(0u, 0u, 0u, 0u);
-            if (live[u]) e[u] = *reinterpret_cast<const uint4*>(s.embed + (size_t)tok[u] * K + cc[u]);
+            if (live[u]) e[u] = *reinterpret_cast<const uint4*>(g.embed + (size_t)tok[u] * K + cc[u]);
         }
 #pragma unroll
         for (int u = 0; u < P; ++u) {
@@ -1360,17 +1336,17 @@ __device__ __forceinline__ void fv2_norm_load(const Fv2NormSrc& s, const int (&c
         int r[P];
 #pragma unroll
         for (int u = 0; u < P; ++u) r[u] = cm[u];
-        if (s.src_rows) {
+        if (g.src_rows) {
 #pragma unroll
-            for (int u = 0; u < P; ++u) r[u] = live[u] ? s.src_rows[cm[u]] : 0;
+            for (int u = 0; u < P; ++u) r[u] = live[u] ? g.src_rows[cm[u]] : 0;
         }
         float4 a[P], b[P];
 #pragma unroll
         for (int u = 0; u < P; ++u) {
             a[u] = b[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             if (live[u]) {
-                a[u] = fv2_ldcg4(s.xf + (size_t)r[u] * K + cc[u]);
-                b[u] = fv2_ldcg4(s.xf + (size_t)r[u] * K + cc[u] + 4);
+                a[u] = fv2_ldcg4(g.xf + (size_t)r[u] * K + cc[u]);
+                b[u] = fv2_ldcg4(g.xf + (size_t)r[u] * K + cc[u] + 4);
             }
         }
 #pragma unroll
@@ -1391,35 +1367,36 @@ __device__ __forceinline__ uint4 fv2_norm_pack_w(const float (&w)[8], const floa
     }
     return make_uint4(o[0], o[1], o[2], o[3]);
 }
-__device__ __forceinline__ float fv2_inv_rms_s(const Fv2NormSrc& s, const float (*wsum)[FV2_MAX_ROWS], int m) {
+__device__ __forceinline__ float fv2_inv_rms(const float (*wsum)[FV2_MAX_ROWS], int m, int K, float eps) {
     float total = 0.0f;
     for (int w = 0; w < 8; ++w) total = __fadd_rn(total, wsum[w][m]);
-    return 1.0f / sqrtf(total / (float)s.K + s.eps);
+    return 1.0f / sqrtf(total / (float)K + eps);
 }
 
 // inv_rms[m] for the M source rows of a norm stage that fv2_one_pass does not take (more pieces than
 // FV2_ONE_PASS_PIECES, or more than two per row): the rows in groups of FV2_RMS_BATCH, each group's loads
 // in flight together. Every row's partial adds its pieces in column order, as the one-pass staging does.
-__device__ __forceinline__ void fv2_row_rms(const Fv2NormSrc s, float* inv_rms) {
+__device__ __forceinline__ void fv2_row_rms(const FusedParams& p, const Fv2Gemm& g, float* inv_rms) {
     __shared__ float wsum[8][FV2_MAX_ROWS];
+    const float eps = p.eps;
     const int tid = threadIdx.x;
     float ss[FV2_MAX_ROWS];
 #pragma unroll
     for (int m = 0; m < FV2_MAX_ROWS; ++m) ss[m] = 0.0f;
-    for (int c = tid * 8; c < s.K; c += 8 * FUSED_THREADS) {
+    for (int c = tid * 8; c < g.K; c += 8 * FUSED_THREADS) {
 #pragma unroll
         for (int m0 = 0; m0 < FV2_MAX_ROWS; m0 += FV2_RMS_BATCH) {
-            if (m0 < s.M) {
+            if (m0 < g.M) {
                 int cm[FV2_RMS_BATCH], cc[FV2_RMS_BATCH];
                 bool live[FV2_RMS_BATCH];
 #pragma unroll
                 for (int u = 0; u < FV2_RMS_BATCH; ++u) {
                     cm[u] = m0 + u;
                     cc[u] = c;
-                    live[u] = m0 + u < s.M;
+                    live[u] = m0 + u < g.M;
                 }
                 float x[FV2_RMS_BATCH][8];
-                fv2_norm_load<FV2_RMS_BATCH>(s, cm, cc, live, x);
+                fv2_norm_load<FV2_RMS_BATCH>(g, cm, cc, live, x);
 #pragma unroll
                 for (int u = 0; u < FV2_RMS_BATCH; ++u) {
                     if (live[u]) ss[m0 + u] = __fadd_rn(ss[m0 + u], fv2_piece_ss(x[u]));
@@ -1427,9 +1404,9 @@ __device__ __forceinline__ void fv2_row_rms(const Fv2NormSrc s, float* inv_rms) 
             }
         }
     }
-    fv2_warp_ss(ss, s.M, wsum);
+    fv2_warp_ss(ss, g.M, wsum);
     fv2_sync();
-    if (tid < s.M) inv_rms[tid] = fv2_inv_rms_s(s, wsum, tid);
+    if (tid < g.M) inv_rms[tid] = fv2_inv_rms(wsum, tid, g.K, eps);
     fv2_sync();
 }
 
@@ -1450,9 +1427,11 @@ __device__ __forceinline__ bool fv2_one_pass(const Fv2Gemm& g) {
 // PT pieces per row per thread (1 or 2), so every index is compile-time: piece u is row u / PT's columns
 // (tid + (u % PT) * FUSED_THREADS) * 8 + [0, 8).
 template <int PT>
-__device__ __forceinline__ void fv2_stage_norm_one_pass(const Fv2NormSrc s, unsigned char* xs, int xs_stride) {
+__device__ __forceinline__ void fv2_stage_norm_one_pass(const FusedParams& p, const Fv2Gemm& g, unsigned char* xs,
+                                                        int xs_stride) {
     constexpr int P = FV2_ONE_PASS_PIECES, R = P / PT;
     __shared__ float wsum[8][FV2_MAX_ROWS];
+    const float eps = p.eps;
     const int tid = threadIdx.x;
     float x[P][8];
     int cm[P], cc[P];
@@ -1461,16 +1440,16 @@ __device__ __forceinline__ void fv2_stage_norm_one_pass(const Fv2NormSrc s, unsi
     for (int u = 0; u < P; ++u) {
         cm[u] = u / PT;
         cc[u] = (tid + (u % PT) * FUSED_THREADS) * 8;
-        live[u] = cm[u] < s.M && cc[u] < s.K;
+        live[u] = cm[u] < g.M && cc[u] < g.K;
     }
-    fv2_norm_load<P>(s, cm, cc, live, x);
+    fv2_norm_load<P>(g, cm, cc, live, x);
     float w[PT][8];
 #pragma unroll
     for (int j = 0; j < PT; ++j) {
         const int c = (tid + j * FUSED_THREADS) * 8;
-        const bool need = c < s.K;
+        const bool need = c < g.K;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) w[j][e] = need ? __ldg(s.norm_w + c + e) : 0.0f;
+        for (int e = 0; e < 8; ++e) w[j][e] = need ? __ldg(g.norm_w + c + e) : 0.0f;
     }
     float ss[R];
 #pragma unroll
@@ -1481,23 +1460,23 @@ __device__ __forceinline__ void fv2_stage_norm_one_pass(const Fv2NormSrc s, unsi
             if (live[m * PT + j]) ss[m] = __fadd_rn(ss[m], fv2_piece_ss(x[m * PT + j]));
         }
     }
-    fv2_warp_ss(ss, s.M, wsum);
+    fv2_warp_ss(ss, g.M, wsum);
     fv2_sync();
 #pragma unroll
     for (int u = 0; u < P; ++u) {
         if (!live[u]) continue;
         *reinterpret_cast<uint4*>(xs + (size_t)cm[u] * xs_stride + (size_t)cc[u] * 2) =
-            fv2_norm_pack_w(w[u % PT], x[u], fv2_inv_rms_s(s, wsum, cm[u]));
+            fv2_norm_pack_w(w[u % PT], x[u], fv2_inv_rms(wsum, cm[u], g.K, eps));
     }
 }
 
 // Stages norm-source columns [k0, k0 + width) of the M rows as bf16 into xs (row stride xs_stride),
 // FV2_STAGE_BATCH pieces at a time, each batch's loads in flight together.
-__device__ __forceinline__ void fv2_stage_norm(const Fv2NormSrc s, const float* inv_rms, int k0, int width,
-                                            unsigned char* xs, int xs_stride) {
+__device__ __forceinline__ void fv2_stage_norm(const Fv2Gemm& g, const float* inv_rms, int k0, int width,
+                                               unsigned char* xs, int xs_stride) {
     constexpr int P = FV2_STAGE_BATCH;
     const int per_row = width / 8;  // 8-column pieces
-    const int pieces = s.M * per_row;
+    const int pieces = g.M * per_row;
     for (int base = threadIdx.x; base < pieces; base += P * FUSED_THREADS) {
         int cm[P], cc[P];
         bool live[P];
@@ -1509,13 +1488,13 @@ __device__ __forceinline__ void fv2_stage_norm(const Fv2NormSrc s, const float* 
             cc[u] = live[u] ? k0 + (i % per_row) * 8 : 0;
         }
         float x[P][8];
-        fv2_norm_load<P>(s, cm, cc, live, x);
+        fv2_norm_load<P>(g, cm, cc, live, x);
 #pragma unroll
         for (int u = 0; u < P; ++u) {
             if (!live[u]) continue;
             float w[8];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) w[e] = __ldg(s.norm_w + cc[u] + e);
+            for (int e = 0; e < 8; ++e) w[e] = __ldg(g.norm_w + cc[u] + e);
             *reinterpret_cast<uint4*>(xs + (size_t)cm[u] * xs_stride + (size_t)(cc[u] - k0) * 2) =
                 fv2_norm_pack_w(w, x[u], inv_rms[cm[u]]);
         }
@@ -1656,9 +1635,9 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
     const bool two_bufs = !whole && async_src && 2 * g.M * xs_stride <= xs_cap;
     if (whole && fv2_one_pass(g)) {
         if (fv2_pieces_per_row(g) == 1) {
-            fv2_stage_norm_one_pass<1>(fv2_norm_src_of(p, g), xs, xs_stride);
+            fv2_stage_norm_one_pass<1>(p, g, xs, xs_stride);
         } else {
-            fv2_stage_norm_one_pass<2>(fv2_norm_src_of(p, g), xs, xs_stride);
+            fv2_stage_norm_one_pass<2>(p, g, xs, xs_stride);
         }
         fv2_sync();
     } else if (whole && async_src) {
@@ -1666,12 +1645,12 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
         fused_cp_async_wait(0);
         fv2_sync();
     } else {
-        if (g.src != FV2_SRC_BF16) fv2_row_rms(fv2_norm_src_of(p, g), inv_rms);
+        if (g.src != FV2_SRC_BF16) fv2_row_rms(p, g, inv_rms);
         if (whole) {
             if (g.src == FV2_SRC_BF16) {
                 fv2_stage_bf16(g, 0, g.K, xs, xs_stride);
             } else {
-                fv2_stage_norm(fv2_norm_src_of(p, g), inv_rms, 0, g.K, xs, xs_stride);
+                fv2_stage_norm(g, inv_rms, 0, g.K, xs, xs_stride);
             }
             fv2_sync();
         }
@@ -1717,7 +1696,7 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
                 if (g.src == FV2_SRC_BF16) {
                     fv2_stage_bf16(g, k0, width, xs, xs_stride);
                 } else {
-                    fv2_stage_norm(fv2_norm_src_of(p, g), inv_rms, k0, width, xs, xs_stride);
+                    fv2_stage_norm(g, inv_rms, k0, width, xs, xs_stride);
                 }
                 fv2_sync();
                 if (g.src != FV2_SRC_BF16) fused_prof_add(12, ts);
