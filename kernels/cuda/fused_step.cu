@@ -1828,6 +1828,116 @@ __device__ __forceinline__ void fv2_head(const FusedParams& p, const FusedLayer&
     }
 }
 
+// rope_rotate (decoder.cu) in two halves, the angle's sincos once per row for all of the row's q heads and
+// its k head: the same double sincos and casts, and the same float expressions, so the same bits.
+__device__ __forceinline__ void fv2_rope_angle(int position, double inv_freq, float* fc, float* fs) {
+    double s, c;
+    sincos((double)position * inv_freq, &s, &c);
+    *fc = (float)c;
+    *fs = (float)s;
+}
+__device__ __forceinline__ void fv2_rope_apply(float xa, float xb, float c, float s, float* ra, float* rb) {
+    *ra = xa * c - xb * s;
+    *rb = xb * c + xa * s;
+}
+
+// fv2_stage_heads for a sequence of >= 8 rows at head_dim 32 PER (PER > 0; used at PER 2): warp w takes whole rows (w,
+// w + 8, ...), each row's G q heads, k head and v head. The row's RoPE angles are computed once, not per
+// vector (each a double sincos: at 1 x 8 a warp ran six vectors one after another, 4.4 us on an H100,
+// session 31's timeline). Its vectors' loads are issued FV2_HEAD_BATCH at a time. Each vector's arithmetic
+// is fv2_head's, in its order.
+#ifndef FV2_HEAD_BATCH
+#define FV2_HEAD_BATCH 3
+#endif
+template <int PER>
+__device__ __forceinline__ void fv2_stage_heads_rows(const FusedParams& p, const FusedLayer& L, int r0, int rows,
+                                                     int G, int kvh, int pos0, int kb_item, int ke_item,
+                                                     float* q_s, float* nkv_s, int warp, int lane) {
+    constexpr int HALF = PER == 1 ? 1 : PER / 2, NB = FV2_HEAD_BATCH;
+    const int hd = PER * 32, kv_dim = p.n_kv_heads * hd;
+    const int width = (p.n_heads + 2 * p.n_kv_heads) * hd;
+    const int nvec = G + 2;  // the row's q heads, then its k head, then its v head
+    for (int r = warp; r < rows; r += 8) {
+        const int row = r0 + r;
+        const int pos = p.positions[row];
+        float fc[HALF], fs[HALF];
+#pragma unroll
+        for (int i = 0; i < HALF; ++i) {
+            fv2_rope_angle(pos, p.inv_freq[PER == 1 ? (lane & 15) : lane + 32 * i], &fc[i], &fs[i]);
+        }
+        const float* src_row = p.qkv + (size_t)row * width;
+        for (int j0 = 0; j0 < nvec; j0 += NB) {
+            float v[NB][PER];
+            int yb[NB];
+#pragma unroll
+            for (int b = 0; b < NB; ++b) {
+                const int j = j0 + b;
+                yb[b] = j < G ? kvh * G + j : (j == G ? p.n_heads + kvh : p.n_heads + p.n_kv_heads + kvh);
+                if (j < nvec) {
+#pragma unroll
+                    for (int i = 0; i < PER; ++i) v[b][i] = __ldcg(src_row + (size_t)yb[b] * hd + lane + 32 * i);
+                }
+            }
+#pragma unroll
+            for (int b = 0; b < NB; ++b) {
+                const int j = j0 + b, y = yb[b];
+                if (j >= nvec) continue;
+                // fv2_head's bias, sum of squares, head norm and rotation.
+                float ss = 0.0f;
+#pragma unroll
+                for (int i = 0; i < PER; ++i) {
+                    float x = v[b][i];
+                    if (L.bqkv) x += L.bqkv[y * hd + lane + 32 * i];
+                    v[b][i] = x;
+                    ss += x * x;
+                }
+                if (j <= G) {  // q and k heads: norm, RoPE
+                    if (L.q_norm) {
+                        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+                        const float inv = 1.0f / sqrtf(ss / (float)hd + p.eps);
+                        const float* w = y < p.n_heads ? L.q_norm : L.k_norm;
+#pragma unroll
+                        for (int i = 0; i < PER; ++i) v[b][i] = w[lane + 32 * i] * (v[b][i] * inv);
+                    }
+                    if (PER == 1) {
+                        const float other = __shfl_xor_sync(0xffffffffu, v[b][0], 16);
+                        float ra, rb;
+                        if (lane < 16) {
+                            fv2_rope_apply(v[b][0], other, fc[0], fs[0], &ra, &rb);
+                            v[b][0] = ra;
+                        } else {
+                            fv2_rope_apply(other, v[b][0], fc[0], fs[0], &ra, &rb);
+                            v[b][0] = rb;
+                        }
+                    } else {
+#pragma unroll
+                        for (int i = 0; i < HALF; ++i) {
+                            float ra, rb;
+                            fv2_rope_apply(v[b][i], v[b][i + HALF], fc[i], fs[i], &ra, &rb);
+                            v[b][i] = ra;
+                            v[b][i + HALF] = rb;
+                        }
+                    }
+                }
+                if (j < G) {
+#pragma unroll
+                    for (int i = 0; i < PER; ++i) q_s[(r * G + j) * hd + lane + 32 * i] = v[b][i] * p.scale;
+                } else {
+                    const int which = j == G ? 0 : 1;
+#pragma unroll
+                    for (int i = 0; i < PER; ++i) nkv_s[(which * rows + r) * hd + lane + 32 * i] = v[b][i];
+                    const int kp = pos0 + r;
+                    if (kp >= kb_item && kp < ke_item) {
+                        float* dst = (which ? L.v_cache : L.k_cache) + (size_t)p.slots[row] * kv_dim + kvh * hd;
+#pragma unroll
+                        for (int i = 0; i < PER; ++i) dst[lane + 32 * i] = v[b][i];
+                    }
+                }
+            }
+        }
+    }
+}
+
 // The attention item's head vectors: q of the G heads of every row (pre-scaled) into q_s, the new k and v of
 // the sequence into nkv_s and, for the positions of the item's key range, the KV cache. One warp per vector.
 // PER > 0: head_dim = 32 PER, v in registers; PER 0: any head_dim (fv2_head).
@@ -1835,6 +1945,13 @@ template <int PER>
 __device__ __forceinline__ void fv2_stage_heads(const FusedParams& p, const FusedLayer& L, int r0, int rows, int G,
                                                 int kvh, int hd, int per, int pos0, int kb_item, int ke_item,
                                                 float* q_s, float* nkv_s, int warp, int lane) {
+    // head_dim 64 only: instantiated for head_dim 32 and 128 too, the rows path raised the kernel's spills
+    // from 44/60 to 64/104 bytes (ptxas --resources), which cost elsewhere (stg8, NOTES v0.36).
+    if (PER == 2 && rows >= 8) {
+        fv2_stage_heads_rows<(PER > 0 ? PER : 1)>(p, L, r0, rows, G, kvh, pos0, kb_item, ke_item, q_s, nkv_s, warp,
+                                                lane);
+        return;
+    }
     constexpr int VN = PER > 0 ? PER : 8;
     const int QV = rows * G, kv_dim = p.n_kv_heads * hd;
     float v[VN];
