@@ -1841,7 +1841,7 @@ __device__ __forceinline__ void fv2_rope_apply(float xa, float xb, float c, floa
     *rb = xb * c + xa * s;
 }
 
-// fv2_stage_heads for a sequence of >= 8 rows at head_dim 32 PER (PER > 0; used at PER 2): warp w takes whole rows (w,
+// fv2_stage_heads for a sequence of >= 8 rows at head_dim 32 * PER (used at PER 2): warp w takes whole rows (w,
 // w + 8, ...), each row's G q heads, k head and v head. The row's RoPE angles are computed once, not per
 // vector (each a double sincos: at 1 x 8 a warp ran six vectors one after another, 4.4 us on an H100,
 // session 31's timeline). Its vectors' loads are issued FV2_HEAD_BATCH at a time. Each vector's arithmetic
