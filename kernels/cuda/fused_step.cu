@@ -1841,19 +1841,18 @@ __device__ __forceinline__ void fv2_rope_apply(float xa, float xb, float c, floa
     *rb = xb * c + xa * s;
 }
 
-// fv2_stage_heads for a sequence of >= 8 rows at head_dim 32 * PER (used at PER 2): warp w takes whole rows (w,
-// w + 8, ...), each row's G q heads, k head and v head. The row's RoPE angles are computed once, not per
+// fv2_stage_heads for a sequence of >= 8 rows at head_dim 64: warp w takes whole rows (w, w + 8, ...), each
+// row's G q heads, k head and v head. The row's RoPE angles are computed once, not per
 // vector (each a double sincos: at 1 x 8 a warp ran six vectors one after another, 4.4 us on an H100,
 // session 31's timeline). Its vectors' loads are issued FV2_HEAD_BATCH at a time. Each vector's arithmetic
 // is fv2_head's, in its order.
 #ifndef FV2_HEAD_BATCH
 #define FV2_HEAD_BATCH 3
 #endif
-template <int PER>
 __device__ __forceinline__ void fv2_stage_heads_rows(const FusedParams& p, const FusedLayer& L, int r0, int rows,
                                                      int G, int kvh, int pos0, int kb_item, int ke_item,
                                                      float* q_s, float* nkv_s, int warp, int lane) {
-    constexpr int HALF = PER == 1 ? 1 : PER / 2, NB = FV2_HEAD_BATCH;
+    constexpr int PER = 2, HALF = PER / 2, NB = FV2_HEAD_BATCH;  // a lane's 2 values, one in each half
     const int hd = PER * 32, kv_dim = p.n_kv_heads * hd;
     const int width = (p.n_heads + 2 * p.n_kv_heads) * hd;
     const int nvec = G + 2;  // the row's q heads, then its k head, then its v head
@@ -1863,7 +1862,7 @@ __device__ __forceinline__ void fv2_stage_heads_rows(const FusedParams& p, const
         float fc[HALF], fs[HALF];
 #pragma unroll
         for (int i = 0; i < HALF; ++i) {
-            fv2_rope_angle(pos, p.inv_freq[PER == 1 ? (lane & 15) : lane + 32 * i], &fc[i], &fs[i]);
+            fv2_rope_angle(pos, p.inv_freq[lane + 32 * i], &fc[i], &fs[i]);
         }
         const float* src_row = p.qkv + (size_t)row * width;
         for (int j0 = 0; j0 < nvec; j0 += NB) {
@@ -1899,24 +1898,12 @@ __device__ __forceinline__ void fv2_stage_heads_rows(const FusedParams& p, const
 #pragma unroll
                         for (int i = 0; i < PER; ++i) v[b][i] = w[lane + 32 * i] * (v[b][i] * inv);
                     }
-                    if (PER == 1) {
-                        const float other = __shfl_xor_sync(0xffffffffu, v[b][0], 16);
-                        float ra, rb;
-                        if (lane < 16) {
-                            fv2_rope_apply(v[b][0], other, fc[0], fs[0], &ra, &rb);
-                            v[b][0] = ra;
-                        } else {
-                            fv2_rope_apply(other, v[b][0], fc[0], fs[0], &ra, &rb);
-                            v[b][0] = rb;
-                        }
-                    } else {
 #pragma unroll
-                        for (int i = 0; i < HALF; ++i) {
-                            float ra, rb;
-                            fv2_rope_apply(v[b][i], v[b][i + HALF], fc[i], fs[i], &ra, &rb);
-                            v[b][i] = ra;
-                            v[b][i + HALF] = rb;
-                        }
+                    for (int i = 0; i < HALF; ++i) {
+                        float ra, rb;
+                        fv2_rope_apply(v[b][i], v[b][i + HALF], fc[i], fs[i], &ra, &rb);
+                        v[b][i] = ra;
+                        v[b][i + HALF] = rb;
                     }
                 }
                 if (j < G) {
@@ -1948,8 +1935,7 @@ __device__ __forceinline__ void fv2_stage_heads(const FusedParams& p, const Fuse
     // head_dim 64 only: instantiated for head_dim 32 and 128 too, the rows path raised the kernel's spills
     // from 44/60 to 64/104 bytes (ptxas --resources), which cost elsewhere (stg8, NOTES v0.36).
     if (PER == 2 && rows >= 8) {
-        fv2_stage_heads_rows<(PER > 0 ? PER : 1)>(p, L, r0, rows, G, kvh, pos0, kb_item, ke_item, q_s, nkv_s, warp,
-                                                lane);
+        fv2_stage_heads_rows(p, L, r0, rows, G, kvh, pos0, kb_item, ke_item, q_s, nkv_s, warp, lane);
         return;
     }
     constexpr int VN = PER > 0 ? PER : 8;
