@@ -10,12 +10,10 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${1:-$root/.carry/pack/candidates}
 mkdir -p "$out"
 # Session 32 adopted stg4 (the norm staging's loads batched; patch under ../results/fused_h200_s32/patches/),
-# session 33 rowrope (an attention item's RoPE angles once per row at k = 7; ../results/fused_h100_s33/patches/).
-# Waiting: opg (the one-pass staging in groups of rows, for every norm stage of <= 2 pieces per row: -5 to -8%
-# at 8-16 rows, +0.6-0.7% at 1 x 1 on an H100). stgw (the norm weights once per thread) was level and dropped.
+# session 33 rowrope (an attention item's RoPE angles once per row at k = 7; ../results/fused_h100_s33/patches/),
+# session 34 opg1 (the grouped norm staging beyond 4 pieces; ../results/fused_h100_s34/patches/, with opg).
+# No candidate waits now: add "NAME PATCH..." lines here.
 list=(
-  "opg opg"
-  "opg1 opg1"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that

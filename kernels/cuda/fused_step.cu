@@ -1372,12 +1372,15 @@ __device__ __forceinline__ float fv2_inv_rms(const float (*wsum)[FV2_MAX_ROWS], 
     for (int w = 0; w < 8; ++w) total = __fadd_rn(total, wsum[w][m]);
     return 1.0f / sqrtf(total / (float)K + eps);
 }
+// The warps' row sums of a norm staging (fv2_row_rms, the one pass, the groups), one array for all of them
+// (each function's own array cost 512 bytes of the ring's shared memory apiece).
+__shared__ float fv2_wsum[8][FV2_MAX_ROWS];
 
 // inv_rms[m] for the M source rows of a norm stage that fv2_one_pass does not take (more pieces than
 // FV2_ONE_PASS_PIECES, or more than two per row): the rows in groups of FV2_RMS_BATCH, each group's loads
 // in flight together. Every row's partial adds its pieces in column order, as the one-pass staging does.
 __device__ __forceinline__ void fv2_row_rms(const FusedParams& p, const Fv2Gemm& g, float* inv_rms) {
-    __shared__ float wsum[8][FV2_MAX_ROWS];
+    float (*wsum)[FV2_MAX_ROWS] = fv2_wsum;
     const float eps = p.eps;
     const int tid = threadIdx.x;
     float ss[FV2_MAX_ROWS];
@@ -1430,7 +1433,7 @@ template <int PT>
 __device__ __forceinline__ void fv2_stage_norm_one_pass(const FusedParams& p, const Fv2Gemm& g, unsigned char* xs,
                                                         int xs_stride) {
     constexpr int P = FV2_ONE_PASS_PIECES, R = P / PT;
-    __shared__ float wsum[8][FV2_MAX_ROWS];
+    float (*wsum)[FV2_MAX_ROWS] = fv2_wsum;
     const float eps = p.eps;
     const int tid = threadIdx.x;
     float x[P][8];
@@ -1467,6 +1470,64 @@ __device__ __forceinline__ void fv2_stage_norm_one_pass(const FusedParams& p, co
         if (!live[u]) continue;
         *reinterpret_cast<uint4*>(xs + (size_t)cm[u] * xs_stride + (size_t)cc[u] * 2) =
             fv2_norm_pack_w(w[u % PT], x[u], fv2_inv_rms(wsum, cm[u], g.K, eps));
+    }
+}
+
+// The grouped staging (session 34's opg1): beyond one pass (more than FV2_ONE_PASS_PIECES pieces, at most
+// two per row), the rows in groups of FV2_ONE_PASS_PIECES / (pieces per row): a group's pieces loaded
+// together, warp-summed into its rows of wsum, one barrier, then normalised from the registers (the same sums and expressions as the one pass and
+// as fv2_row_rms + fv2_stage_norm). The one pass above stays the path of <= 4 rows (opg's single loop cost
+// 0.6-0.7% at 1 x 1 on an H100, session 33).
+__device__ __forceinline__ bool fv2_groups(const Fv2Gemm& g) {
+    return g.src != FV2_SRC_BF16 && g.K % 8 == 0 && fv2_pieces_per_row(g) <= 2 && g.M <= FV2_MAX_ROWS;
+}
+template <int PT>
+__device__ __forceinline__ void fv2_stage_norm_groups(const FusedParams& p, const Fv2Gemm& g, unsigned char* xs,
+                                                        int xs_stride) {
+    constexpr int P = FV2_ONE_PASS_PIECES, R = P / PT;
+    float (*wsum)[FV2_MAX_ROWS] = fv2_wsum;
+    const float eps = p.eps;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    float w[PT][8];
+#pragma unroll
+    for (int j = 0; j < PT; ++j) {
+        const int c = (tid + j * FUSED_THREADS) * 8;
+        const bool need = c < g.K;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) w[j][e] = need ? __ldg(g.norm_w + c + e) : 0.0f;
+    }
+    // Each group writes its own rows of wsum, so no barrier is needed before the next group's writes.
+    for (int m0 = 0; m0 < g.M; m0 += R) {
+        float x[P][8];
+        int cm[P], cc[P];
+        bool live[P];
+#pragma unroll
+        for (int u = 0; u < P; ++u) {
+            cm[u] = m0 + u / PT;
+            cc[u] = (tid + (u % PT) * FUSED_THREADS) * 8;
+            live[u] = cm[u] < g.M && cc[u] < g.K;
+        }
+        fv2_norm_load<P>(g, cm, cc, live, x);
+#pragma unroll
+        for (int m = 0; m < R; ++m) {
+            float ss = 0.0f;
+#pragma unroll
+            for (int j = 0; j < PT; ++j) {
+                if (live[m * PT + j]) ss = __fadd_rn(ss, fv2_piece_ss(x[m * PT + j]));
+            }
+            // fv2_warp_ss's butterfly, into the group's row of wsum.
+            if (m0 + m < g.M) {
+                for (int o = 16; o > 0; o >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, o));
+                if (lane == 0) wsum[warp][m0 + m] = ss;
+            }
+        }
+        fv2_sync();
+#pragma unroll
+        for (int u = 0; u < P; ++u) {
+            if (!live[u]) continue;
+            *reinterpret_cast<uint4*>(xs + (size_t)cm[u] * xs_stride + (size_t)cc[u] * 2) =
+                fv2_norm_pack_w(w[u % PT], x[u], fv2_inv_rms(wsum, cm[u], g.K, eps));
+        }
     }
 }
 
@@ -1638,6 +1699,13 @@ __device__ __noinline__ void fv2_gemm(const FusedParams& p, Fv2Ring& ring, const
             fv2_stage_norm_one_pass<1>(p, g, xs, xs_stride);
         } else {
             fv2_stage_norm_one_pass<2>(p, g, xs, xs_stride);
+        }
+        fv2_sync();
+    } else if (whole && fv2_groups(g)) {
+        if (fv2_pieces_per_row(g) == 1) {
+            fv2_stage_norm_groups<1>(p, g, xs, xs_stride);
+        } else {
+            fv2_stage_norm_groups<2>(p, g, xs, xs_stride);
         }
         fv2_sync();
     } else if (whole && async_src) {
