@@ -12,8 +12,10 @@ mkdir -p "$out"
 # Session 32 adopted stg4 (the norm staging's loads batched; patch under ../results/fused_h200_s32/patches/),
 # session 33 rowrope (an attention item's RoPE angles once per row at k = 7; ../results/fused_h100_s33/patches/),
 # session 34 opg1 (the grouped norm staging beyond 4 pieces; ../results/fused_h100_s34/patches/, with opg).
-# No candidate waits now: add "NAME PATCH..." lines here.
+# Waiting: dcomb (the attention combine spread over a (sequence, KV head)'s items when the step's items
+# run in one round; candidates/README.md).
 list=(
+  "dcomb dcomb"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
