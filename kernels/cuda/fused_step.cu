@@ -1475,9 +1475,9 @@ __device__ __forceinline__ void fv2_stage_norm_one_pass(const FusedParams& p, co
 
 // The grouped staging (session 34's opg1): beyond one pass (more than FV2_ONE_PASS_PIECES pieces, at most
 // two per row), the rows in groups of FV2_ONE_PASS_PIECES / (pieces per row): a group's pieces loaded
-// together, warp-summed into its rows of wsum, one barrier, then normalised from the registers (the same sums and expressions as the one pass and
-// as fv2_row_rms + fv2_stage_norm). The one pass above stays the path of <= 4 rows (opg's single loop cost
-// 0.6-0.7% at 1 x 1 on an H100, session 33).
+// together, warp-summed into its rows of wsum, one barrier, then normalised from the registers (the same
+// sums and expressions as the one pass and as fv2_row_rms + fv2_stage_norm). The one pass above stays the
+// path of <= 4 pieces (opg's single loop for every row count cost 0.6-0.7% at 1 x 1 on an H100, session 33).
 __device__ __forceinline__ bool fv2_groups(const Fv2Gemm& g) {
     return g.src != FV2_SRC_BF16 && g.K % 8 == 0 && fv2_pieces_per_row(g) <= 2 && g.M <= FV2_MAX_ROWS;
 }
