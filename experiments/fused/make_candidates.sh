@@ -13,9 +13,12 @@ mkdir -p "$out"
 # session 33 rowrope (an attention item's RoPE angles once per row at k = 7; ../results/fused_h100_s33/patches/),
 # session 34 opg1 (the grouped norm staging beyond 4 pieces; ../results/fused_h100_s34/patches/, with opg).
 # Waiting: dcomb (the attention combine spread over a (sequence, KV head)'s items when the step's items
-# run in one round; candidates/README.md); if2 (two 32 KB copies in flight per CTA: for the H200 only).
+# run in one round), relacq (the split counter's fences as one acq_rel add), dcra (both), if2 (two 32 KB
+# copies in flight per CTA: for the H200 only); candidates/README.md.
 list=(
   "dcomb dcomb"
+  "relacq relacq"
+  "dcra dcomb dcra"
   "if2 FV2_MAX_INFLIGHT=2"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
