@@ -13,13 +13,16 @@ mkdir -p "$out"
 # session 33 rowrope (an attention item's RoPE angles once per row at k = 7; ../results/fused_h100_s33/patches/),
 # session 34 opg1 (the grouped norm staging beyond 4 pieces; ../results/fused_h100_s34/patches/, with opg).
 # Waiting: dcomb (the attention combine spread over a (sequence, KV head)'s items when the step's items
-# run in one round), relacq (the split counter's fences as one acq_rel add), dcra (both), if2 (two 32 KB
-# copies in flight per CTA: for the H200 only); candidates/README.md.
+# run in one round), relacq (the split counter's fences as one acq_rel add), dcra (both); for the H200 only:
+# if2 / if3 (two / three 32 KB copies in flight per CTA), if2p (if2 with the L2 prefetch paced at the H200's
+# share); candidates/README.md.
 list=(
   "dcomb dcomb"
   "relacq relacq"
   "dcra dcomb dcra"
   "if2 FV2_MAX_INFLIGHT=2"
+  "if3 FV2_MAX_INFLIGHT=3"
+  "if2p FV2_MAX_INFLIGHT=2 FV2_L2_PACE_CYCLES=2000"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
