@@ -14,7 +14,8 @@ mkdir -p "$out"
 # session 34 opg1 (the grouped norm staging beyond 4 pieces; ../results/fused_h100_s34/patches/, with opg).
 # Waiting: dcomb (the attention combine spread over a (sequence, KV head)'s items when the step's items
 # run in one round), relacq (the split counter's fences as one acq_rel add), dcra (both), kt64 (the keys
-# tile with head_dim 64 as a constant), dcrk (dcra + kt64); for the H200 only:
+# tile with head_dim 64 as a constant), dcrk (dcra + kt64), hfreq (a head's RoPE frequencies loaded with
+# its values), dcrkh (dcrk + hfreq); for the H200 only:
 # if2 / if3 (two / three 32 KB copies in flight per CTA), if2p (if2 with the L2 prefetch paced at the H200's
 # share); candidates/README.md.
 list=(
@@ -23,6 +24,8 @@ list=(
   "dcra dcomb dcra"
   "kt64 kt64"
   "dcrk dcomb dcra kt64"
+  "hfreq hfreq"
+  "dcrkh dcomb dcra kt64 hfreq"
   "if2 FV2_MAX_INFLIGHT=2"
   "if3 FV2_MAX_INFLIGHT=3"
   "if2p FV2_MAX_INFLIGHT=2 FV2_L2_PACE_CYCLES=2000"
