@@ -1429,31 +1429,39 @@ __device__ __forceinline__ bool fv2_one_pass(const Fv2Gemm& g) {
 }
 // PT pieces per row per thread (1 or 2), so every index is compile-time: piece u is row u / PT's columns
 // (tid + (u % PT) * FUSED_THREADS) * 8 + [0, 8).
+template <int P, int PT>
+__device__ __forceinline__ void fv2_norm_pieces(const Fv2Gemm& g, int m0, int (&cm)[P], int (&cc)[P], bool (&live)[P]) {
+#pragma unroll
+    for (int u = 0; u < P; ++u) {
+        cm[u] = m0 + u / PT;
+        cc[u] = (threadIdx.x + (u % PT) * FUSED_THREADS) * 8;
+        live[u] = cm[u] < g.M && cc[u] < g.K;
+    }
+}
+// The norm weights of a thread's PT columns of pieces (0 past K).
+template <int PT>
+__device__ __forceinline__ void fv2_norm_weights(const Fv2Gemm& g, float (&w)[PT][8]) {
+#pragma unroll
+    for (int j = 0; j < PT; ++j) {
+        const int c = (threadIdx.x + j * FUSED_THREADS) * 8;
+        const bool need = c < g.K;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) w[j][e] = need ? __ldg(g.norm_w + c + e) : 0.0f;
+    }
+}
 template <int PT>
 __device__ __forceinline__ void fv2_stage_norm_one_pass(const FusedParams& p, const Fv2Gemm& g, unsigned char* xs,
                                                         int xs_stride) {
     constexpr int P = FV2_ONE_PASS_PIECES, R = P / PT;
     float (*wsum)[FV2_MAX_ROWS] = fv2_wsum;
     const float eps = p.eps;
-    const int tid = threadIdx.x;
     float x[P][8];
     int cm[P], cc[P];
     bool live[P];
-#pragma unroll
-    for (int u = 0; u < P; ++u) {
-        cm[u] = u / PT;
-        cc[u] = (tid + (u % PT) * FUSED_THREADS) * 8;
-        live[u] = cm[u] < g.M && cc[u] < g.K;
-    }
+    fv2_norm_pieces<P, PT>(g, 0, cm, cc, live);
     fv2_norm_load<P>(g, cm, cc, live, x);
     float w[PT][8];
-#pragma unroll
-    for (int j = 0; j < PT; ++j) {
-        const int c = (tid + j * FUSED_THREADS) * 8;
-        const bool need = c < g.K;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) w[j][e] = need ? __ldg(g.norm_w + c + e) : 0.0f;
-    }
+    fv2_norm_weights<PT>(g, w);
     float ss[R];
 #pragma unroll
     for (int m = 0; m < R; ++m) {
@@ -1489,24 +1497,13 @@ __device__ __forceinline__ void fv2_stage_norm_groups(const FusedParams& p, cons
     const float eps = p.eps;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     float w[PT][8];
-#pragma unroll
-    for (int j = 0; j < PT; ++j) {
-        const int c = (tid + j * FUSED_THREADS) * 8;
-        const bool need = c < g.K;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) w[j][e] = need ? __ldg(g.norm_w + c + e) : 0.0f;
-    }
+    fv2_norm_weights<PT>(g, w);
     // Each group writes its own rows of wsum, so no barrier is needed before the next group's writes.
     for (int m0 = 0; m0 < g.M; m0 += R) {
         float x[P][8];
         int cm[P], cc[P];
         bool live[P];
-#pragma unroll
-        for (int u = 0; u < P; ++u) {
-            cm[u] = m0 + u / PT;
-            cc[u] = (tid + (u % PT) * FUSED_THREADS) * 8;
-            live[u] = cm[u] < g.M && cc[u] < g.K;
-        }
+        fv2_norm_pieces<P, PT>(g, m0, cm, cc, live);
         fv2_norm_load<P>(g, cm, cc, live, x);
 #pragma unroll
         for (int m = 0; m < R; ++m) {
