@@ -1449,6 +1449,19 @@ __device__ __forceinline__ void fv2_norm_weights(const Fv2Gemm& g, float (&w)[PT
         for (int e = 0; e < 8; ++e) w[j][e] = need ? __ldg(g.norm_w + c + e) : 0.0f;
     }
 }
+// The live pieces normalised with their rows' sums in wsum and the norm weights, stored as bf16 in xs.
+template <int P, int PT>
+__device__ __forceinline__ void fv2_norm_store(const Fv2Gemm& g, const int (&cm)[P], const int (&cc)[P],
+                                               const bool (&live)[P], const float (&w)[PT][8], const float (&x)[P][8],
+                                               const float (*wsum)[FV2_MAX_ROWS], float eps, unsigned char* xs,
+                                               int xs_stride) {
+#pragma unroll
+    for (int u = 0; u < P; ++u) {
+        if (!live[u]) continue;
+        *reinterpret_cast<uint4*>(xs + (size_t)cm[u] * xs_stride + (size_t)cc[u] * 2) =
+            fv2_norm_pack_w(w[u % PT], x[u], fv2_inv_rms(wsum, cm[u], g.K, eps));
+    }
+}
 template <int PT>
 __device__ __forceinline__ void fv2_stage_norm_one_pass(const FusedParams& p, const Fv2Gemm& g, unsigned char* xs,
                                                         int xs_stride) {
@@ -1473,12 +1486,7 @@ __device__ __forceinline__ void fv2_stage_norm_one_pass(const FusedParams& p, co
     }
     fv2_warp_ss(ss, g.M, wsum);
     fv2_sync();
-#pragma unroll
-    for (int u = 0; u < P; ++u) {
-        if (!live[u]) continue;
-        *reinterpret_cast<uint4*>(xs + (size_t)cm[u] * xs_stride + (size_t)cc[u] * 2) =
-            fv2_norm_pack_w(w[u % PT], x[u], fv2_inv_rms(wsum, cm[u], g.K, eps));
-    }
+    fv2_norm_store<P, PT>(g, cm, cc, live, w, x, wsum, eps, xs, xs_stride);
 }
 
 // The grouped staging (session 34's opg1): beyond one pass (more than FV2_ONE_PASS_PIECES pieces, at most
@@ -1519,12 +1527,7 @@ __device__ __forceinline__ void fv2_stage_norm_groups(const FusedParams& p, cons
             }
         }
         fv2_sync();
-#pragma unroll
-        for (int u = 0; u < P; ++u) {
-            if (!live[u]) continue;
-            *reinterpret_cast<uint4*>(xs + (size_t)cm[u] * xs_stride + (size_t)cc[u] * 2) =
-                fv2_norm_pack_w(w[u % PT], x[u], fv2_inv_rms(wsum, cm[u], g.K, eps));
-        }
+        fv2_norm_store<P, PT>(g, cm, cc, live, w, x, wsum, eps, xs, xs_stride);
     }
 }
 
