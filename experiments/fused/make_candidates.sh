@@ -17,7 +17,8 @@ mkdir -p "$out"
 # tile with head_dim 64 as a constant), dcrk (dcra + kt64), hfreq (a head's RoPE frequencies loaded with
 # its values), dcrkh (dcrk + hfreq); for the H200 only:
 # if2 / if3 (two / three 32 KB copies in flight per CTA), if2p (if2 with the L2 prefetch paced at the H200's
-# share); candidates/README.md.
+# share), if4 (four), p1 (each 64 KB slot as one copy, so 64 KB in flight in one copy instead of if2's two);
+# candidates/README.md.
 list=(
   "dcomb dcomb"
   "relacq relacq"
@@ -29,6 +30,8 @@ list=(
   "if2 FV2_MAX_INFLIGHT=2"
   "if3 FV2_MAX_INFLIGHT=3"
   "if2p FV2_MAX_INFLIGHT=2 FV2_L2_PACE_CYCLES=2000"
+  "if4 FV2_MAX_INFLIGHT=4"
+  "p1 FV2_PARTS=1"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
