@@ -156,6 +156,10 @@ struct StepBenchArgs {
     /// engine's, 16); larger steps run v1. Each row of the report names the kernel it ran.
     #[arg(long)]
     fused_dataflow_max_rows: Option<usize>,
+    /// latency_specialized: weight part copies (32 KB) in flight per CTA in the dataflow kernel (v2),
+    /// 1..=15 (default: the kernel's, 1, chosen on H100s); the report states the value.
+    #[arg(long)]
+    fused_copies_in_flight: Option<u32>,
     #[arg(long, default_value = "experiments/results/step_bench")]
     out: PathBuf,
 }
@@ -915,6 +919,7 @@ fn cmd_bench_step(a: StepBenchArgs) -> Result<()> {
             .map(|b| b.parse().map_err(|e| anyhow::anyhow!("--backends: {e}")))
             .collect::<Result<_>>()?,
         dataflow_max_rows: a.fused_dataflow_max_rows,
+        copies_in_flight: a.fused_copies_in_flight,
         out_dir: a.out,
     })?;
     Ok(())

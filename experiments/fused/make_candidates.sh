@@ -15,9 +15,11 @@ mkdir -p "$out"
 # Waiting: dcomb (the attention combine spread over a (sequence, KV head)'s items when the step's items
 # run in one round), relacq (the split counter's fences as one acq_rel add), dcra (both), kt64 (the keys
 # tile with head_dim 64 as a constant), dcrk (dcra + kt64), hfreq (a head's RoPE frequencies loaded with
-# its values), dcrkh (dcrk + hfreq); for the H200 only:
-# if2 / if3 (two / three 32 KB copies in flight per CTA), if2p (if2 with the L2 prefetch paced at the H200's
-# share), if4 (four), p1 (each 64 KB slot as one copy, so 64 KB in flight in one copy instead of if2's two);
+# its values), dcrkh (dcrk + hfreq); p1 (each 64 KB slot as one copy, so 64 KB in flight in one copy
+# instead of two 32 KB ones; for the H200). Session 34's if2 / if3 / if2p define edits are now launch
+# settings (FusedOptions::copies_in_flight etc.), timed in one process by run_fused_h200.sh's `producer`;
+# capconst (session 35: the kernel before the producer settings came from the launch flags, i.e. the
+# caps and the prefetch interval as compile-time constants: an A/B of that change, whose SASS differs);
 # candidates/README.md.
 list=(
   "dcomb dcomb"
@@ -27,11 +29,8 @@ list=(
   "dcrk dcomb dcra kt64"
   "hfreq hfreq"
   "dcrkh dcomb dcra kt64 hfreq"
-  "if2 FV2_MAX_INFLIGHT=2"
-  "if3 FV2_MAX_INFLIGHT=3"
-  "if2p FV2_MAX_INFLIGHT=2 FV2_L2_PACE_CYCLES=2000"
-  "if4 FV2_MAX_INFLIGHT=4"
   "p1 FV2_PARTS=1"
+  "capconst capconst"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that

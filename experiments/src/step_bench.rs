@@ -54,6 +54,9 @@ pub struct StepBenchConfig {
     /// (`FusedOptions::dataflow_max_rows`, 1..=`DATAFLOW_MAX_ROWS`); None keeps the engine's default.
     /// Larger steps run v1. For comparing the two kernels at one shape in the same harness.
     pub dataflow_max_rows: Option<usize>,
+    /// `latency_specialized`: weight part copies in flight per CTA in v2
+    /// (`FusedOptions::copies_in_flight`, 1..=15); None keeps the kernel's default (1, chosen on H100s).
+    pub copies_in_flight: Option<u32>,
     pub out_dir: PathBuf,
 }
 
@@ -132,6 +135,8 @@ pub struct StepBenchReport {
     pub dataflow_max_rows: usize,
     /// `FusedOptions::dataflow_max_queries` in effect (query vectors per KV head in one sequence).
     pub dataflow_max_queries: usize,
+    /// `FusedOptions::copies_in_flight` in effect (0: the kernel's default, FV2_MAX_INFLIGHT).
+    pub copies_in_flight: u32,
     /// Kernel sources replaced through a development knob (empty: this revision's kernels ran).
     pub kernel_overrides: Vec<crate::KernelOverride>,
     pub rows: Vec<StepRow>,
@@ -342,6 +347,12 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
             "the dataflow kernel's row limit must be in 1..={DATAFLOW_MAX_ROWS}, got {n}"
         );
     }
+    if let Some(n) = cfg.copies_in_flight {
+        anyhow::ensure!(
+            (1..=15).contains(&n),
+            "the dataflow kernel's weight copies in flight per CTA must be in 1..=15, got {n}"
+        );
+    }
     // Positions: the prompt, the committed tokens (at most T per step) and one verify block on top.
     let max_positions = (cfg.context + cfg.steps * max_t + 2 * max_t + 16).next_multiple_of(16);
     let opts = GpuOptions {
@@ -377,6 +388,12 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
         fused.dataflow_max_rows = n;
         gpu.set_fused_options(fused)
             .context("setting the dataflow kernel's row limit")?;
+    }
+    if let Some(n) = cfg.copies_in_flight {
+        let mut fused = gpu.fused_options();
+        fused.copies_in_flight = n;
+        gpu.set_fused_options(fused)
+            .context("setting the dataflow kernel's copies in flight")?;
     }
     let vocab = gpu.config().vocab_size as u32;
     eprintln!(
@@ -638,6 +655,7 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
         fused_swiglu: gpu.fused_swiglu(),
         dataflow_max_rows: gpu.fused_options().dataflow_max_rows,
         dataflow_max_queries: gpu.fused_options().dataflow_max_queries,
+        copies_in_flight: gpu.fused_options().copies_in_flight,
         kernel_overrides: crate::kernel_overrides(),
         rows,
         profile,
@@ -683,8 +701,14 @@ graph replay = device time per replay, CUDA events around 10 replays queued back
     }
     md.push_str(&crate::kernel_overrides_markdown(&r.kernel_overrides));
     md.push_str(&format!(
-        "latency_specialized runs the dataflow kernel (v2) at steps of <= {} rows whose longest sequence has at most {} query vectors per KV head (where the model's shape allows it), and v1 otherwise; its rows name the kernel they ran.\n\n",
-        r.dataflow_max_rows, r.dataflow_max_queries
+        "latency_specialized runs the dataflow kernel (v2) at steps of <= {} rows whose longest sequence has at most {} query vectors per KV head (where the model's shape allows it), and v1 otherwise; its rows name the kernel they ran. v2's weight copies in flight per CTA: {}.\n\n",
+        r.dataflow_max_rows,
+        r.dataflow_max_queries,
+        if r.copies_in_flight == 0 {
+            "the kernel's default (1)".to_string()
+        } else {
+            format!("{} (set for this run)", r.copies_in_flight)
+        }
     ));
     md.push_str("| running requests | tokens/seq | backend | fused steps | step ms median | P90 | graph-replay ms | floor ms | % of floor | no-graph step ms | committed/step | mean context |\n|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for row in &r.rows {
@@ -817,7 +841,24 @@ mod tests {
             tune: false,
             backends: vec![StepBackend::LatencySpecialized],
             dataflow_max_rows,
+            copies_in_flight: None,
             out_dir: std::env::temp_dir(),
+        }
+    }
+
+    #[test]
+    fn copies_in_flight_out_of_range_are_refused_before_any_gpu_work() {
+        for n in [0, 16] {
+            let e = run_step_bench(StepBenchConfig {
+                copies_in_flight: Some(n),
+                ..config(None)
+            })
+            .unwrap_err()
+            .to_string();
+            assert!(
+                e.contains("copies in flight") && e.contains(&format!("got {n}")),
+                "{e}"
+            );
         }
     }
 

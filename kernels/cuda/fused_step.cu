@@ -155,6 +155,16 @@ static_assert(sizeof(FusedParams) == 20 * 8 + 16 * 4, "FusedParams must match gp
 // group per chunk, `cp.async.wait_group` before use) instead of the TMA engine: an A/B for the measured
 // ~12 GB/s per SM of the bulk-copy ring (NOTES v0.7). Rows always land padded (fused_row_stride).
 #define FUSED_LDGSTS 32
+// v2's producer settings chosen per launch (gpu_fused.rs FusedOptions::copies_in_flight and friends), so
+// that one process can compare them and a card can get its own: bits 8-11 the part copies in flight from
+// HBM (0: FV2_MAX_INFLIGHT), bits 12-15 those of parts prefetched into L2 (0: FV2_L2_INFLIGHT), bits 16-19
+// the paced L2 prefetch's interval in units of 500 cycles (0: FV2_L2_PACE_CYCLES). Every setting was
+// chosen on H100s; the H200 has ~1.4x the bandwidth at the same SM count, so it may want more bytes in
+// flight per CTA (experiments/fused/candidates/README.md, `if2`).
+#define FUSED_INFLIGHT_SHIFT 8
+#define FUSED_L2_INFLIGHT_SHIFT 12
+#define FUSED_L2_PACE_SHIFT 16
+#define FUSED_L2_PACE_UNIT 500
 #define FUSED_PROF_SLOTS 32
 __shared__ unsigned long long fused_prof[FUSED_PROF_SLOTS];
 __shared__ int fused_prof_on;
@@ -1032,6 +1042,8 @@ fused_forward_x2(const FusedParams* __restrict__ params, int rows, int n_logits,
 // depth, not the gap between copies, stretches the dependent round trips (counters, staging, residuals).
 #define FV2_PARTS 2
 #define FV2_PART_ROWS (16 / FV2_PARTS)
+// FV2_MAX_INFLIGHT, FV2_L2_INFLIGHT and FV2_L2_PACE_CYCLES are the defaults; a launch may set each
+// (FUSED_INFLIGHT_SHIFT and beside it).
 #define FV2_MAX_INFLIGHT 1
 // Paced L2 prefetch while the ring is full. When the producer has waited FV2_L2_IDLE_CYCLES for a slot (the
 // consumers are at a counter wait or in attention, and HBM idles: the timeline of NOTES v0.28 has ~13 us
@@ -2424,16 +2436,21 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
             // (i / FV2_PARTS) % stages, its barrier's phase parity (i / FV2_PARTS / stages) & 1. Its barrier
             // is not re-armed before copy i + FV2_PARTS stages, and the cap keeps the copy waited for
             // within that distance of the one issued.
-            const unsigned int cap = (unsigned)min(FV2_MAX_INFLIGHT, FV2_PARTS * stages);
+            // The launch's flags may set both caps (FUSED_INFLIGHT_SHIFT); FV2_PARTS stages bounds them.
+            const int cap_set = (flags >> FUSED_INFLIGHT_SHIFT) & 15;
+            const int cap_l2_set = (flags >> FUSED_L2_INFLIGHT_SHIFT) & 15;
+            const unsigned int cap = (unsigned)min(cap_set ? cap_set : FV2_MAX_INFLIGHT, FV2_PARTS * stages);
             int w_slot = 0, w_h = 0;
             unsigned int w_parity = 0u, issued = 0u, landed = 0u;
-            const unsigned int cap_l2 = (unsigned)min(FV2_L2_INFLIGHT, FV2_PARTS * stages);
+            const unsigned int cap_l2 = (unsigned)min(cap_l2_set ? cap_l2_set : FV2_L2_INFLIGHT, FV2_PARTS * stages);
 #if FV2_L2_LEAD > 0
             // The prefetch cursor: pf_lead whole chunks prefetched from the ring's next chunk on, then part
             // pf_h of pf's chunk. Every decision is lane 0's, broadcast, so the lanes' cursors stay equal.
             Fv2Producer pf = q;
             int pf_lead = 0, pf_h = 0;
             long long pf_last = 0;
+            const int pace_set = (flags >> FUSED_L2_PACE_SHIFT) & 15;
+            const long long pace = pace_set ? (long long)pace_set * FUSED_L2_PACE_UNIT : FV2_L2_PACE_CYCLES;
             // Only in steps of <= FV2_L2_MAX_SEQS sequences and <= FV2_L2_MAX_ROWS rows: on an H100 (session
             // 25, NOTES v0.29) the prefetch won 1.2-2.5% at 1 x 1, 2 x 1 and 1 x 8 and lost 3-5% at 4 x 1 and
             // 2 x 8; on the evict-first kernel it lost 0.9-1.6% at 1 x 8 (sessions 28-29), hence <= 2 rows.
@@ -2449,7 +2466,7 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
                     while (!__shfl_sync(0xffffffffu, (int)fused_mbar_test(empty, ep), 0)) {
                         const long long now = clock64();
                         const bool go = pf_lead < pf_lead_max && pf.phase < pf.phases && now - w0 >= FV2_L2_IDLE_CYCLES &&
-                                        now - pf_last >= FV2_L2_PACE_CYCLES;
+                                        now - pf_last >= pace;
                         if (__shfl_sync(0xffffffffu, (int)go, 0)) {
                             fv2_prefetch_part(pf, pf_h);
                             pf_last = __shfl_sync(0xffffffffu, now, 0);

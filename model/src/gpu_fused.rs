@@ -421,7 +421,54 @@ pub struct FusedOptions {
     /// head; steps with a longer sequence run v1. Default 32: llama3.2-1b at 1 request x 8 tokens (32)
     /// measured faster on v2, qwen2.5-coder-1.5b at 1 x 8 (48) slower (NOTES v0.14).
     pub dataflow_max_queries: usize,
+    /// v2's producer: weight part copies (32 KB) in flight per CTA from HBM, 1..=15 (0: the kernel's
+    /// FV2_MAX_INFLIGHT, 1). One was the best on H100s (sessions 21-22, NOTES v0.26-v0.27); the H200 has
+    /// ~1.4x the bandwidth at the same SM count, so a CTA may need more bytes in flight to reach it.
+    /// The kernel holds both caps to the ring's part copies (2 x its slots, 4-6 on llama3.2-1b), since a
+    /// part's barrier must not be re-armed while its copy flies.
+    pub copies_in_flight: u32,
+    /// v2's producer: part copies in flight whose parts it prefetched into L2, 1..=15 (0: the kernel's
+    /// FV2_L2_INFLIGHT, 4).
+    pub l2_copies_in_flight: u32,
+    /// v2's paced L2 prefetch: cycles between two part prefetches, a multiple of
+    /// `L2_PREFETCH_INTERVAL_UNIT` up to 15 of them (0: the kernel's FV2_L2_PACE_CYCLES, 3000).
+    pub l2_prefetch_interval: u32,
     pub mode: FusedMode,
+}
+
+/// fused_step.cu FUSED_L2_PACE_UNIT: the paced L2 prefetch's interval is set in units of this many cycles.
+pub const L2_PREFETCH_INTERVAL_UNIT: u32 = 500;
+
+impl FusedOptions {
+    /// The launch flags of v2's producer settings (fused_step.cu FUSED_INFLIGHT_SHIFT,
+    /// FUSED_L2_INFLIGHT_SHIFT, FUSED_L2_PACE_SHIFT: four bits each, 0 keeping the kernel's default), or
+    /// why a setting does not fit them.
+    pub fn producer_flags(&self) -> Result<i32, String> {
+        if self.copies_in_flight > 15 {
+            return Err(format!(
+                "{} weight copies in flight per CTA (at most 15; 0 keeps the kernel's default)",
+                self.copies_in_flight
+            ));
+        }
+        if self.l2_copies_in_flight > 15 {
+            return Err(format!(
+                "{} copies in flight from L2 per CTA (at most 15; 0 keeps the kernel's default)",
+                self.l2_copies_in_flight
+            ));
+        }
+        let unit = L2_PREFETCH_INTERVAL_UNIT;
+        if !self.l2_prefetch_interval.is_multiple_of(unit) || self.l2_prefetch_interval > 15 * unit
+        {
+            return Err(format!(
+                "an L2 prefetch interval of {} cycles (a multiple of {unit} up to {}; 0 keeps the kernel's default)",
+                self.l2_prefetch_interval,
+                15 * unit
+            ));
+        }
+        Ok((self.copies_in_flight << 8
+            | self.l2_copies_in_flight << 12
+            | (self.l2_prefetch_interval / unit) << 16) as i32)
+    }
 }
 
 impl Default for FusedOptions {
@@ -437,6 +484,9 @@ impl Default for FusedOptions {
             dataflow: true,
             dataflow_max_rows: 16,
             dataflow_max_queries: 32,
+            copies_in_flight: 0,
+            l2_copies_in_flight: 0,
+            l2_prefetch_interval: 0,
             mode: FusedMode::Full,
         }
     }
@@ -1202,6 +1252,7 @@ impl GpuTransformer {
     /// Changes the fused kernel's launch settings and drops its captured graphs. No recompilation,
     /// except that the first `FusedMode::Profile` compiles the kernel's profiling build (seconds).
     pub fn set_fused_options(&mut self, opts: FusedOptions) -> Result<(), ModelError> {
+        opts.producer_flags().map_err(ModelError::Config)?;
         // Fused graphs point at the old parameters (freed in stream order below).
         self.graphs.retain(|key, _| !key.4);
         if let Some(old) = self.fused.step.take() {
@@ -1456,7 +1507,9 @@ impl GpuTransformer {
             } else {
                 0
             }
-            | if self.fused.opts.ldgsts { 32 } else { 0 };
+            | if self.fused.opts.ldgsts { 32 } else { 0 }
+            // Checked by set_fused_options (and the defaults are 0).
+            | self.fused.opts.producer_flags().unwrap_or(0);
         // Tapped layers (fused_decision checked supports_taps): the same slots of the same buffer the
         // standard step copies into; the list is part of the graph key.
         let taps = &self.step_taps;
@@ -1974,6 +2027,37 @@ mod tests {
         assert_eq!(FusedMode::BarriersOnly.flags(), 1);
         assert_eq!(FusedMode::SkipAttention.flags(), 2);
         assert_eq!(FusedMode::Profile.flags(), 16);
+        // v2's producer settings: bits 8-11, 12-15 and 16-19 (fused_step.cu FUSED_*_SHIFT), 0 = default.
+        assert_eq!(FusedOptions::default().producer_flags(), Ok(0));
+        let set = FusedOptions {
+            copies_in_flight: 2,
+            l2_copies_in_flight: 15,
+            l2_prefetch_interval: 2000,
+            ..Default::default()
+        };
+        assert_eq!(set.producer_flags(), Ok(2 << 8 | 15 << 12 | 4 << 16));
+        // The flags above bit 5 are the producer's alone.
+        assert_eq!(set.producer_flags().unwrap() & 63, 0);
+        for bad in [
+            FusedOptions {
+                copies_in_flight: 16,
+                ..Default::default()
+            },
+            FusedOptions {
+                l2_copies_in_flight: 16,
+                ..Default::default()
+            },
+            FusedOptions {
+                l2_prefetch_interval: 700,
+                ..Default::default()
+            },
+            FusedOptions {
+                l2_prefetch_interval: 8000,
+                ..Default::default()
+            },
+        ] {
+            assert!(bad.producer_flags().is_err(), "{bad:?}");
+        }
         assert_eq!(LAYER_WORDS * 8, 96);
         assert_eq!(FusedProfile::SLOTS.len(), 24);
         assert!(FusedProfile::SLOTS.len() <= PROF_SLOTS);

@@ -38,11 +38,15 @@
 //! cargo build --release -p specula-experiments --features cuda --bin gpu_fused_check
 //! Usage: gpu_fused_check [--quick] [--no-cooperative]
 //!        gpu_fused_check --bench [--context N] [--samples N] [--no-tune] [--seed N] [--no-cooperative] [--short [--v2-profile [--v2-profile-cta]]]
+//!                        [--v2-producer IN[:L2[:PACE]],...]
 //! (`--short`: only the standard, the v1 and the v2 step, no profile (`--v2-profile`: v2's
 //! profile at 1 x 1 and 1 x 8 all the same; `--v2-profile-cta`: also every CTA's raw slots, for
 //! the timeline kernel's per-CTA events, `experiments/fused/timeline_table.py --per-cta`); with
 //! SPECULA_FUSED_STEP_CU set to another fused_step.cu, an A/B of kernel versions in one device call,
-//! NOTES v0.12.)
+//! NOTES v0.12. `--v2-producer 2,3,2:4:2000`: v2 again with each of these producer settings
+//! (FusedOptions::copies_in_flight, l2_copies_in_flight, l2_prefetch_interval; 0 or absent keeps the
+//! kernel's default), timed beside the default v2 step at every shape in the same process without
+//! recompiling; their logits must equal the default v2 step's bit for bit.)
 
 #[path = "../../../verifier/tests/common/mod.rs"]
 mod common;
@@ -815,10 +819,74 @@ struct BenchArgs {
     /// With `v2_profile`: also print every CTA's raw profile slots (the timeline kernel's event times
     /// and values, which the mean / max summary cannot show).
     v2_profile_cta: bool,
+    /// v2's producer settings to time beside the default v2 step, in the same process and at every
+    /// shape (`--v2-producer`): each is the v2 variant with these FusedOptions fields set.
+    v2_producer: Vec<ProducerSetting>,
+}
+
+/// One `--v2-producer` entry, `IN[:L2[:PACE]]`: FusedOptions::copies_in_flight, l2_copies_in_flight
+/// and l2_prefetch_interval (0 or absent: the kernel's default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ProducerSetting {
+    copies_in_flight: u32,
+    l2_copies_in_flight: u32,
+    l2_prefetch_interval: u32,
+}
+
+impl ProducerSetting {
+    fn parse(spec: &str) -> Result<ProducerSetting> {
+        let fields: Vec<&str> = spec.split(':').collect();
+        if fields.is_empty() || fields.len() > 3 {
+            bail!("--v2-producer entry {spec:?}: want IN[:L2[:PACE]]");
+        }
+        let num = |i: usize| -> Result<u32> {
+            match fields.get(i) {
+                None => Ok(0),
+                Some(f) => f.parse().with_context(|| {
+                    format!("--v2-producer entry {spec:?}: {f:?} is not a number")
+                }),
+            }
+        };
+        let setting = ProducerSetting {
+            copies_in_flight: num(0)?,
+            l2_copies_in_flight: num(1)?,
+            l2_prefetch_interval: num(2)?,
+        };
+        setting
+            .apply(FusedOptions::default())
+            .producer_flags()
+            .map_err(|e| anyhow::anyhow!("--v2-producer entry {spec:?}: {e}"))?;
+        Ok(setting)
+    }
+
+    fn apply(self, opts: FusedOptions) -> FusedOptions {
+        FusedOptions {
+            copies_in_flight: self.copies_in_flight,
+            l2_copies_in_flight: self.l2_copies_in_flight,
+            l2_prefetch_interval: self.l2_prefetch_interval,
+            ..opts
+        }
+    }
+
+    fn name(self) -> String {
+        let or_default = |v: u32| {
+            if v == 0 {
+                "default".to_string()
+            } else {
+                v.to_string()
+            }
+        };
+        format!(
+            "fused v2, {} in flight, {} from L2, prefetch every {} cycles",
+            or_default(self.copies_in_flight),
+            or_default(self.l2_copies_in_flight),
+            or_default(self.l2_prefetch_interval)
+        )
+    }
 }
 
 struct Variant {
-    name: &'static str,
+    name: String,
     backend: StepBackend,
     opts: FusedOptions,
 }
@@ -878,17 +946,17 @@ fn bench(args: BenchArgs) -> Result<()> {
     };
     let all_variants = [
         Variant {
-            name: "standard",
+            name: "standard".into(),
             backend: StepBackend::Standard,
             opts: fused,
         },
         Variant {
-            name: "fused v1",
+            name: "fused v1".into(),
             backend: StepBackend::LatencySpecialized,
             opts: fused,
         },
         Variant {
-            name: "fused v2 (dataflow)",
+            name: "fused v2 (dataflow)".into(),
             backend: StepBackend::LatencySpecialized,
             opts: FusedOptions {
                 dataflow: true,
@@ -898,7 +966,7 @@ fn bench(args: BenchArgs) -> Result<()> {
             },
         },
         Variant {
-            name: "fused v2, counters only",
+            name: "fused v2, counters only".into(),
             backend: StepBackend::LatencySpecialized,
             opts: FusedOptions {
                 dataflow: true,
@@ -909,7 +977,7 @@ fn bench(args: BenchArgs) -> Result<()> {
             },
         },
         Variant {
-            name: "fused v2, no attention",
+            name: "fused v2, no attention".into(),
             backend: StepBackend::LatencySpecialized,
             opts: FusedOptions {
                 dataflow: true,
@@ -920,7 +988,7 @@ fn bench(args: BenchArgs) -> Result<()> {
             },
         },
         Variant {
-            name: "fused, 1024-column chunks",
+            name: "fused, 1024-column chunks".into(),
             backend: StepBackend::LatencySpecialized,
             opts: FusedOptions {
                 chunk_k: 1024,
@@ -928,7 +996,7 @@ fn bench(args: BenchArgs) -> Result<()> {
             },
         },
         Variant {
-            name: "fused, row copies",
+            name: "fused, row copies".into(),
             backend: StepBackend::LatencySpecialized,
             opts: FusedOptions {
                 whole_tile_copies: false,
@@ -936,7 +1004,7 @@ fn bench(args: BenchArgs) -> Result<()> {
             },
         },
         Variant {
-            name: "fused, cp.async copies",
+            name: "fused, cp.async copies".into(),
             backend: StepBackend::LatencySpecialized,
             opts: FusedOptions {
                 ldgsts: true,
@@ -944,7 +1012,7 @@ fn bench(args: BenchArgs) -> Result<()> {
             },
         },
         Variant {
-            name: "fused, barriers only",
+            name: "fused, barriers only".into(),
             backend: StepBackend::LatencySpecialized,
             opts: FusedOptions {
                 mode: FusedMode::BarriersOnly,
@@ -952,7 +1020,7 @@ fn bench(args: BenchArgs) -> Result<()> {
             },
         },
         Variant {
-            name: "fused, no attention",
+            name: "fused, no attention".into(),
             backend: StepBackend::LatencySpecialized,
             opts: FusedOptions {
                 mode: FusedMode::SkipAttention,
@@ -960,12 +1028,29 @@ fn bench(args: BenchArgs) -> Result<()> {
             },
         },
     ];
+    let v2_default = all_variants[2].opts;
+    let sweep: Vec<Variant> = args
+        .v2_producer
+        .iter()
+        .map(|setting| Variant {
+            name: setting.name(),
+            backend: StepBackend::LatencySpecialized,
+            opts: setting.apply(v2_default),
+        })
+        .collect();
+    // The standard, v1 and v2 steps stay first (the table's speedup and logits columns use them).
     let variants: Vec<&Variant> = all_variants
         .iter()
         .filter(|v| {
-            !args.short || ["standard", "fused v1", "fused v2 (dataflow)"].contains(&v.name)
+            !args.short
+                || ["standard", "fused v1", "fused v2 (dataflow)"].contains(&v.name.as_str())
         })
+        .chain(&sweep)
         .collect();
+    let first_sweep = variants.len() - sweep.len();
+    // Producer settings change when weight copies are issued, never what is computed: their logits
+    // must be v2's bit for bit.
+    let mut sweep_mismatch = Vec::new();
     if let Ok(path) = std::env::var(specula_kernels::cuda::FUSED_SOURCE_ENV) {
         println!(
             "fused kernel source: {path} ({} set)",
@@ -1035,6 +1120,15 @@ fn bench(args: BenchArgs) -> Result<()> {
             }
             let diff = max_rel(&logits[1], &logits[0]);
             let diff_v2 = max_rel(&logits[2], &logits[0]);
+            for (i, v) in variants.iter().enumerate().skip(first_sweep) {
+                if logits[i] != logits[2] {
+                    sweep_mismatch.push(format!(
+                        "{b} x {t}: {} (max relative difference {:.2e} against the default v2 step)",
+                        v.name,
+                        max_rel(&logits[i], &logits[2])
+                    ));
+                }
+            }
             println!(
                 "{b} x {t}: standard {:.3} ms, fused {:.3} ms ({:.2}x), fused v2 {:.3} ms ({:.2}x, ran {v2_kernel}), logits vs standard: fused {diff:.2e}, v2 {diff_v2:.2e}",
                 times[0].0,
@@ -1142,6 +1236,13 @@ fn bench(args: BenchArgs) -> Result<()> {
             println!();
         }
     }
+    if !sweep.is_empty() {
+        println!(
+            "\n--v2-producer: {} setting(s) timed beside the default v2 step, same process, same shapes, interleaved per shape; their logits {} the default v2 step's bit for bit",
+            sweep.len(),
+            if sweep_mismatch.is_empty() { "equal" } else { "do NOT all equal" }
+        );
+    }
     for (b, t, clock_khz, ctas) in &per_cta {
         println!(
             "\nfused step profile per CTA, v2 (dataflow), {b} x {t}: raw slot values (clock64 cycles at {clock_khz:.0} kHz, or the values the kernel stored)"
@@ -1163,6 +1264,12 @@ fn bench(args: BenchArgs) -> Result<()> {
             }
             println!();
         }
+    }
+    if !sweep_mismatch.is_empty() {
+        bail!(
+            "producer settings changed the logits (they must not):\n{}",
+            sweep_mismatch.join("\n")
+        );
     }
     Ok(())
 }
@@ -1194,7 +1301,56 @@ fn main() -> Result<()> {
                 .iter()
                 .any(|a| a == "--v2-profile" || a == "--v2-profile-cta"),
             v2_profile_cta: args.iter().any(|a| a == "--v2-profile-cta"),
+            v2_producer: match args.iter().position(|a| a == "--v2-producer") {
+                Some(i) => args
+                    .get(i + 1)
+                    .context("--v2-producer needs a list, e.g. 2,3,2:4:2000")?
+                    .split(',')
+                    .map(ProducerSetting::parse)
+                    .collect::<Result<_>>()?,
+                None => Vec::new(),
+            },
         });
     }
     check(args.iter().any(|a| a == "--quick"), cooperative)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn producer_settings_parse_with_defaults_and_refuse_what_the_flags_cannot_hold() {
+        let s = ProducerSetting::parse("2").unwrap();
+        assert_eq!(
+            (
+                s.copies_in_flight,
+                s.l2_copies_in_flight,
+                s.l2_prefetch_interval
+            ),
+            (2, 0, 0)
+        );
+        let s = ProducerSetting::parse("3:4:2000").unwrap();
+        assert_eq!(
+            (
+                s.copies_in_flight,
+                s.l2_copies_in_flight,
+                s.l2_prefetch_interval
+            ),
+            (3, 4, 2000)
+        );
+        let o = s.apply(FusedOptions::default());
+        assert_eq!(o.producer_flags(), Ok(3 << 8 | 4 << 12 | 4 << 16));
+        assert_eq!(
+            s.name(),
+            "fused v2, 3 in flight, 4 from L2, prefetch every 2000 cycles"
+        );
+        assert_eq!(
+            ProducerSetting::parse("0").unwrap().name(),
+            "fused v2, default in flight, default from L2, prefetch every default cycles"
+        );
+        for bad in ["", "x", "16", "1:16", "1:1:700", "1:2:3:4", "-1"] {
+            assert!(ProducerSetting::parse(bad).is_err(), "{bad:?}");
+        }
+    }
 }
