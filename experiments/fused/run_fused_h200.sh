@@ -43,6 +43,9 @@
 # l2lat (experiments/fused/ringbench/l2_latency.cu, built there with nvcc: one dependent L2 load's latency
 # on each SM while the SMs stream weights as the fused step does, with the streaming and the loads on the
 # same SMs or on different ones; $OUT/l2_latency.txt).
+# wide (experiments/fused/ringbench/wide_stage.cu, built there with nvcc: one GEMM stage of 16, 32 or 64
+# rows alone, in several splits of tiles and K over the CTAs, against the plain read bandwidth, each checked
+# against a reference product; $OUT/wide_stage.txt).
 # step/shapes/e2e results go into $OUT/bench.tgz (the device tool returns at most 8 files). Extra
 # arguments after the parts go to every gpu_fused_check call (e.g. --no-cooperative).
 set -uo pipefail
@@ -173,6 +176,12 @@ if has l2lat; then
   { header; "$nvcc_bin" -O3 -std=c++17 -arch=sm_90 -o /tmp/l2_latency "$(dirname "$0")/ringbench/l2_latency.cu" &&
     timeout 120 /tmp/l2_latency; echo "exit $?"; } 2>&1 | tee "$out/l2_latency.txt"
   grep -q "^exit 0$" "$out/l2_latency.txt" || status=1
+fi
+if has wide; then
+  nvcc_bin=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+  { header; "$nvcc_bin" -O3 -std=c++17 -arch=sm_90 -o /tmp/wide_stage "$(dirname "$0")/ringbench/wide_stage.cu" &&
+    timeout 200 /tmp/wide_stage; echo "exit $?"; } 2>&1 | tee "$out/wide_stage.txt"
+  grep -q "^exit 0$" "$out/wide_stage.txt" || status=1
 fi
 export SPECULA_DEFAULT_MODELS=${SPECULA_DEFAULT_MODELS:-$PWD/models/default}
 export SPECULA_GIT_REVISION=${SPECULA_GIT_REVISION:-$(cat "$bin/fused.rev" 2>/dev/null)}

@@ -21,27 +21,6 @@
 
 #include "ringbench.cuh"
 
-// Thread 0 sets up each slot's full and empty barriers (one arrival each); then the whole CTA syncs.
-__device__ void init_ring(unsigned long long* full, unsigned long long* empty, int slots) {
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < slots; ++s) {
-            mbar_init(&full[s], 1);
-            mbar_init(&empty[s], 1);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
-}
-
-// All CTAs arrive, then wait for all: the counter only grows (zeroed by the host before each launch).
-__device__ void grid_barrier(unsigned long long* ctr, unsigned long long target) {
-    __threadfence();
-    atomicAdd(ctr, 1ull);
-    while (*(volatile unsigned long long*)ctr < target) {
-    }
-    __threadfence();
-}
-
 // CTA c's bytes of burst b: contiguous, and fresh for every (burst, CTA), so L2 never holds them.
 __device__ __forceinline__ const unsigned char* burst_src(const unsigned char* w, int b, int burst_bytes) {
     return w + ((size_t)b * gridDim.x + blockIdx.x) * (size_t)burst_bytes;
@@ -196,16 +175,6 @@ __global__ void load_kernel(const unsigned char* w, int burst_bytes, int bursts,
             times[((size_t)blockIdx.x * bursts + b) * 2] = t0;
             times[((size_t)blockIdx.x * bursts + b) * 2 + 1] = now_ns();
         }
-    }
-    if (acc == 0x12345678u) out[0] = acc;
-}
-
-// Whole-buffer read: the GPU's plain read bandwidth, the floor the bursts are compared with.
-__global__ void read_all(const uint4* w, size_t n, unsigned* out) {
-    unsigned acc = 0;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        const uint4 v = __ldcs(w + i);
-        acc ^= v.x ^ v.y ^ v.z ^ v.w;
     }
     if (acc == 0x12345678u) out[0] = acc;
 }

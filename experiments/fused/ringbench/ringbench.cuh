@@ -1,5 +1,6 @@
-// Helpers shared by the ringbench programs (ring_stream.cu, l2_latency.cu): the runtime-call check, the
-// global timer, and the mbarrier and bulk-copy primitives the fused step's weight ring uses (sm_90).
+// Helpers shared by the ringbench programs (ring_stream.cu, l2_latency.cu, wide_stage.cu): the runtime-call
+// check, the global timer, the mbarrier and bulk-copy primitives the fused step's weight ring uses (sm_90),
+// the ring's set-up, a grid barrier and the plain read kernel that measures the floor.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -55,4 +56,36 @@ __device__ __forceinline__ void bulk_copy_evict_first(void* dst, const void* src
             smem_addr(dst)),
         "l"(src), "r"(bytes), "r"(smem_addr(b)), "l"(policy)
         : "memory");
+}
+
+// Thread 0 sets up each slot's full and empty barriers (one arrival each); then the whole CTA syncs.
+__device__ inline void init_ring(unsigned long long* full, unsigned long long* empty, int slots) {
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < slots; ++s) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], 1);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+}
+
+// All CTAs arrive, then wait for all: the counter only grows (from the host's zero; targets count from its
+// value at the launch).
+__device__ inline void grid_barrier(unsigned long long* ctr, unsigned long long target) {
+    __threadfence();
+    atomicAdd(ctr, 1ull);
+    while (*(volatile unsigned long long*)ctr < target) {
+    }
+    __threadfence();
+}
+
+// Whole-buffer read: the GPU's plain read bandwidth, the floor the bursts are compared with.
+__global__ void read_all(const uint4* w, size_t n, unsigned* out) {
+    unsigned acc = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const uint4 v = __ldcs(w + i);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x12345678u) out[0] = acc;
 }
