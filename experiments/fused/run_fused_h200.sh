@@ -27,11 +27,12 @@
 # (not with AB_BASELINE=0) and every candidate (the bench itself compares each kernel's logits with the
 # standard step's at every shape); logs in $OUT/ab/, a summary table in $OUT/ab/summary.txt). Make the candidates here, where `patch` is known to exist:
 # experiments/fused/make_candidates.sh (its list says which patches and #define edits make each).
-# producer (`gpu_fused_check --bench --short --v2-producer $PRODUCER`, default "2,3,4,2:0:2000": v2
-# with other producer settings, IN[:L2[:PACE]] each (FusedOptions::copies_in_flight, l2_copies_in_flight,
-# l2_prefetch_interval; 0 keeps the kernel's default), timed beside the default v2 step at every shape in
-# one process, no recompiles; the bench fails if any setting's logits differ from the default's;
-# $OUT/producer.txt).
+# producer (`gpu_fused_check --bench --short --v2-producer $PRODUCER`, default
+# "2,3,4,2::2000,:::4,2:::4,::::8,2::::8": v2 with other producer settings, IN[:L2[:PACE[:LEAD[:ROWS]]]]
+# each (FusedOptions::copies_in_flight, l2_copies_in_flight, l2_prefetch_interval, l2_prefetch_lead,
+# l2_prefetch_max_rows; an empty field keeps the kernel's default), timed beside the default v2 step at
+# every shape in one process, no recompiles; the bench fails if any setting's logits differ from the
+# default's; ~3 minutes on an H200; $OUT/producer.txt).
 # timeline (the one-layer timeline kernel, .carry/pack/timeline.cu from make_candidates.sh, or the kernels
 # $TIMELINE_CU names, through SPECULA_FUSED_STEP_CU; its table by timeline_table.py in $OUT/timeline.txt,
 # then each CTA's gate/up and down times with its SM and tile count and the attention item's steps, from
@@ -141,7 +142,7 @@ PY
   cat "$out/ab/summary.txt"
 fi
 if has producer; then
-  { header; timeout 400 "$bin/gpu_fused_check" --bench --short --v2-producer "${PRODUCER:-2,3,4,2:0:2000}" ${extra[@]+"${extra[@]}"}; echo "exit $?"; } > "$out/producer.txt" 2>&1
+  { header; timeout 400 "$bin/gpu_fused_check" --bench --short --v2-producer "${PRODUCER:-2,3,4,2::2000,:::4,2:::4,::::8,2::::8}" ${extra[@]+"${extra[@]}"}; echo "exit $?"; } > "$out/producer.txt" 2>&1
   grep -q "^exit 0$" "$out/producer.txt" || status=1
   # The summary table (the bench's last table) and the verdict on the logits.
   sed -n '/^llama3.2-1b, /,$p' "$out/producer.txt"

@@ -158,13 +158,17 @@ static_assert(sizeof(FusedParams) == 20 * 8 + 16 * 4, "FusedParams must match gp
 // v2's producer settings chosen per launch (gpu_fused.rs FusedOptions::copies_in_flight and friends), so
 // that one process can compare them and a card can get its own: bits 8-11 the part copies in flight from
 // HBM (0: FV2_MAX_INFLIGHT), bits 12-15 those of parts prefetched into L2 (0: FV2_L2_INFLIGHT), bits 16-19
-// the paced L2 prefetch's interval in units of 500 cycles (0: FV2_L2_PACE_CYCLES). Every setting was
+// the paced L2 prefetch's interval in units of 500 cycles (0: FV2_L2_PACE_CYCLES), bits 20-23 its lead in
+// chunks plus one (0: FV2_L2_LEAD; 1: no prefetch), bits 24-28 the most sequences and rows of a step it runs
+// in (0: FV2_L2_MAX_SEQS and FV2_L2_MAX_ROWS; else that many of each, 1-16). Every setting was
 // chosen on H100s; the H200 has ~1.4x the bandwidth at the same SM count, so it may want more bytes in
 // flight per CTA (experiments/fused/candidates/README.md, `if2`).
 #define FUSED_INFLIGHT_SHIFT 8
 #define FUSED_L2_INFLIGHT_SHIFT 12
 #define FUSED_L2_PACE_SHIFT 16
 #define FUSED_L2_PACE_UNIT 500
+#define FUSED_L2_LEAD_SHIFT 20
+#define FUSED_L2_GATE_SHIFT 24
 #define FUSED_PROF_SLOTS 32
 __shared__ unsigned long long fused_prof[FUSED_PROF_SLOTS];
 __shared__ int fused_prof_on;
@@ -1042,8 +1046,8 @@ fused_forward_x2(const FusedParams* __restrict__ params, int rows, int n_logits,
 // depth, not the gap between copies, stretches the dependent round trips (counters, staging, residuals).
 #define FV2_PARTS 2
 #define FV2_PART_ROWS (16 / FV2_PARTS)
-// FV2_MAX_INFLIGHT, FV2_L2_INFLIGHT and FV2_L2_PACE_CYCLES are the defaults; a launch may set each
-// (FUSED_INFLIGHT_SHIFT and beside it).
+// FV2_MAX_INFLIGHT, FV2_L2_INFLIGHT, FV2_L2_PACE_CYCLES, FV2_L2_LEAD and FV2_L2_MAX_SEQS / _ROWS are the
+// defaults; a launch may set each (FUSED_INFLIGHT_SHIFT and beside it).
 #define FV2_MAX_INFLIGHT 1
 // Paced L2 prefetch while the ring is full. When the producer has waited FV2_L2_IDLE_CYCLES for a slot (the
 // consumers are at a counter wait or in attention, and HBM idles: the timeline of NOTES v0.28 has ~13 us
@@ -2454,7 +2458,12 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
             // Only in steps of <= FV2_L2_MAX_SEQS sequences and <= FV2_L2_MAX_ROWS rows: on an H100 (session
             // 25, NOTES v0.29) the prefetch won 1.2-2.5% at 1 x 1, 2 x 1 and 1 x 8 and lost 3-5% at 4 x 1 and
             // 2 x 8; on the evict-first kernel it lost 0.9-1.6% at 1 x 8 (sessions 28-29), hence <= 2 rows.
-            const int pf_lead_max = sq.n <= FV2_L2_MAX_SEQS && rows <= FV2_L2_MAX_ROWS ? FV2_L2_LEAD : 0;
+            // The launch's flags may set the lead and both limits (FUSED_L2_LEAD_SHIFT, FUSED_L2_GATE_SHIFT).
+            const int lead_set = (flags >> FUSED_L2_LEAD_SHIFT) & 15;
+            const int gate_set = (flags >> FUSED_L2_GATE_SHIFT) & 31;
+            const int max_seqs = gate_set ? gate_set : FV2_L2_MAX_SEQS;
+            const int max_rows = gate_set ? gate_set : FV2_L2_MAX_ROWS;
+            const int pf_lead_max = sq.n <= max_seqs && rows <= max_rows ? (lead_set ? lead_set - 1 : FV2_L2_LEAD) : 0;
 #endif
             while (q.phase < q.phases) {
 #if FV2_L2_LEAD > 0

@@ -433,6 +433,12 @@ pub struct FusedOptions {
     /// v2's paced L2 prefetch: cycles between two part prefetches, a multiple of
     /// `L2_PREFETCH_INTERVAL_UNIT` up to 15 of them (0: the kernel's FV2_L2_PACE_CYCLES, 3000).
     pub l2_prefetch_interval: u32,
+    /// v2's paced L2 prefetch: chunks it prefetches ahead of the ring, 0..=14 (0: none; None: the
+    /// kernel's FV2_L2_LEAD, 2).
+    pub l2_prefetch_lead: Option<u32>,
+    /// v2's paced L2 prefetch runs in steps of at most this many sequences and rows, 1..=16 (0: the
+    /// kernel's FV2_L2_MAX_SEQS and FV2_L2_MAX_ROWS, 2 and 2: on H100s it lost at 4 x 1 and 2 x 8).
+    pub l2_prefetch_max_rows: u32,
     pub mode: FusedMode,
 }
 
@@ -441,8 +447,8 @@ pub const L2_PREFETCH_INTERVAL_UNIT: u32 = 500;
 
 impl FusedOptions {
     /// The launch flags of v2's producer settings (fused_step.cu FUSED_INFLIGHT_SHIFT,
-    /// FUSED_L2_INFLIGHT_SHIFT, FUSED_L2_PACE_SHIFT: four bits each, 0 keeping the kernel's default), or
-    /// why a setting does not fit them.
+    /// FUSED_L2_INFLIGHT_SHIFT, FUSED_L2_PACE_SHIFT, FUSED_L2_LEAD_SHIFT: four bits each;
+    /// FUSED_L2_GATE_SHIFT: five; 0 keeping the kernel's default), or why a setting does not fit them.
     pub fn producer_flags(&self) -> Result<i32, String> {
         if self.copies_in_flight > 15 {
             return Err(format!(
@@ -465,9 +471,26 @@ impl FusedOptions {
                 15 * unit
             ));
         }
+        let lead = match self.l2_prefetch_lead {
+            None => 0,
+            Some(n) if n <= 14 => n + 1,
+            Some(n) => {
+                return Err(format!(
+                "an L2 prefetch lead of {n} chunks (at most 14; None keeps the kernel's default)"
+            ))
+            }
+        };
+        if self.l2_prefetch_max_rows > 16 {
+            return Err(format!(
+                "the L2 prefetch in steps of up to {} rows (at most 16; 0 keeps the kernel's default)",
+                self.l2_prefetch_max_rows
+            ));
+        }
         Ok((self.copies_in_flight << 8
             | self.l2_copies_in_flight << 12
-            | (self.l2_prefetch_interval / unit) << 16) as i32)
+            | (self.l2_prefetch_interval / unit) << 16
+            | lead << 20
+            | self.l2_prefetch_max_rows << 24) as i32)
     }
 }
 
@@ -487,6 +510,8 @@ impl Default for FusedOptions {
             copies_in_flight: 0,
             l2_copies_in_flight: 0,
             l2_prefetch_interval: 0,
+            l2_prefetch_lead: None,
+            l2_prefetch_max_rows: 0,
             mode: FusedMode::Full,
         }
     }
@@ -2033,9 +2058,20 @@ mod tests {
             copies_in_flight: 2,
             l2_copies_in_flight: 15,
             l2_prefetch_interval: 2000,
+            l2_prefetch_lead: Some(4),
+            l2_prefetch_max_rows: 16,
             ..Default::default()
         };
-        assert_eq!(set.producer_flags(), Ok(2 << 8 | 15 << 12 | 4 << 16));
+        assert_eq!(
+            set.producer_flags(),
+            Ok(2 << 8 | 15 << 12 | 4 << 16 | 5 << 20 | 16 << 24)
+        );
+        // A lead of 0 (no prefetch) is a setting of its own, not the default.
+        let off = FusedOptions {
+            l2_prefetch_lead: Some(0),
+            ..Default::default()
+        };
+        assert_eq!(off.producer_flags(), Ok(1 << 20));
         // The flags above bit 5 are the producer's alone.
         assert_eq!(set.producer_flags().unwrap() & 63, 0);
         for bad in [
@@ -2053,6 +2089,14 @@ mod tests {
             },
             FusedOptions {
                 l2_prefetch_interval: 8000,
+                ..Default::default()
+            },
+            FusedOptions {
+                l2_prefetch_lead: Some(15),
+                ..Default::default()
+            },
+            FusedOptions {
+                l2_prefetch_max_rows: 17,
                 ..Default::default()
             },
         ] {

@@ -38,15 +38,16 @@
 //! cargo build --release -p specula-experiments --features cuda --bin gpu_fused_check
 //! Usage: gpu_fused_check [--quick] [--no-cooperative]
 //!        gpu_fused_check --bench [--context N] [--samples N] [--no-tune] [--seed N] [--no-cooperative] [--short [--v2-profile [--v2-profile-cta]]]
-//!                        [--v2-producer IN[:L2[:PACE]],...]
+//!                        [--v2-producer IN[:L2[:PACE[:LEAD[:ROWS]]]],...]
 //! (`--short`: only the standard, the v1 and the v2 step, no profile (`--v2-profile`: v2's
 //! profile at 1 x 1 and 1 x 8 all the same; `--v2-profile-cta`: also every CTA's raw slots, for
 //! the timeline kernel's per-CTA events, `experiments/fused/timeline_table.py --per-cta`); with
 //! SPECULA_FUSED_STEP_CU set to another fused_step.cu, an A/B of kernel versions in one device call,
-//! NOTES v0.12. `--v2-producer 2,3,2:4:2000`: v2 again with each of these producer settings
-//! (FusedOptions::copies_in_flight, l2_copies_in_flight, l2_prefetch_interval; 0 or absent keeps the
-//! kernel's default), timed beside the default v2 step at every shape in the same process without
-//! recompiling; their logits must equal the default v2 step's bit for bit.)
+//! NOTES v0.12. `--v2-producer 2,3,2:4:2000,2:::4:8`: v2 again with each of these producer settings
+//! (FusedOptions::copies_in_flight, l2_copies_in_flight, l2_prefetch_interval, l2_prefetch_lead,
+//! l2_prefetch_max_rows; an empty or absent field keeps the kernel's default), timed beside the default
+//! v2 step at every shape in the same process without recompiling; their logits must equal the default
+//! v2 step's bit for bit.)
 
 #[path = "../../../verifier/tests/common/mod.rs"]
 mod common;
@@ -824,33 +825,54 @@ struct BenchArgs {
     v2_producer: Vec<ProducerSetting>,
 }
 
-/// One `--v2-producer` entry, `IN[:L2[:PACE]]`: FusedOptions::copies_in_flight, l2_copies_in_flight
-/// and l2_prefetch_interval (0 or absent: the kernel's default).
+/// One `--v2-producer` entry, `IN[:L2[:PACE[:LEAD[:ROWS]]]]`: FusedOptions::copies_in_flight,
+/// l2_copies_in_flight, l2_prefetch_interval, l2_prefetch_lead and l2_prefetch_max_rows. An empty or
+/// absent field keeps the kernel's default (so `2::::8` sets the copies in flight and the prefetch's row
+/// limit); LEAD 0 turns the paced prefetch off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct ProducerSetting {
-    copies_in_flight: u32,
-    l2_copies_in_flight: u32,
-    l2_prefetch_interval: u32,
+    copies_in_flight: Option<u32>,
+    l2_copies_in_flight: Option<u32>,
+    l2_prefetch_interval: Option<u32>,
+    l2_prefetch_lead: Option<u32>,
+    l2_prefetch_max_rows: Option<u32>,
 }
 
 impl ProducerSetting {
+    const FIELDS: [&'static str; 5] = ["IN", "L2", "PACE", "LEAD", "ROWS"];
+
     fn parse(spec: &str) -> Result<ProducerSetting> {
         let fields: Vec<&str> = spec.split(':').collect();
-        if fields.is_empty() || fields.len() > 3 {
-            bail!("--v2-producer entry {spec:?}: want IN[:L2[:PACE]]");
+        if fields.len() > Self::FIELDS.len() || fields.iter().all(|f| f.is_empty()) {
+            bail!("--v2-producer entry {spec:?}: want IN[:L2[:PACE[:LEAD[:ROWS]]]] with at least one field set");
         }
-        let num = |i: usize| -> Result<u32> {
-            match fields.get(i) {
-                None => Ok(0),
-                Some(f) => f.parse().with_context(|| {
-                    format!("--v2-producer entry {spec:?}: {f:?} is not a number")
-                }),
+        let num = |i: usize| -> Result<Option<u32>> {
+            match fields.get(i).filter(|f| !f.is_empty()) {
+                None => Ok(None),
+                Some(f) => {
+                    let v: u32 = f.parse().with_context(|| {
+                        format!(
+                            "--v2-producer entry {spec:?}: {} {f:?} is not a number",
+                            Self::FIELDS[i]
+                        )
+                    })?;
+                    // 0 means the kernel's default in FusedOptions; here an empty field says that.
+                    if v == 0 && Self::FIELDS[i] != "LEAD" {
+                        bail!(
+                            "--v2-producer entry {spec:?}: {} 0 (leave the field empty for the kernel's default)",
+                            Self::FIELDS[i]
+                        );
+                    }
+                    Ok(Some(v))
+                }
             }
         };
         let setting = ProducerSetting {
             copies_in_flight: num(0)?,
             l2_copies_in_flight: num(1)?,
             l2_prefetch_interval: num(2)?,
+            l2_prefetch_lead: num(3)?,
+            l2_prefetch_max_rows: num(4)?,
         };
         setting
             .apply(FusedOptions::default())
@@ -861,27 +883,30 @@ impl ProducerSetting {
 
     fn apply(self, opts: FusedOptions) -> FusedOptions {
         FusedOptions {
-            copies_in_flight: self.copies_in_flight,
-            l2_copies_in_flight: self.l2_copies_in_flight,
-            l2_prefetch_interval: self.l2_prefetch_interval,
+            copies_in_flight: self.copies_in_flight.unwrap_or(0),
+            l2_copies_in_flight: self.l2_copies_in_flight.unwrap_or(0),
+            l2_prefetch_interval: self.l2_prefetch_interval.unwrap_or(0),
+            l2_prefetch_lead: self.l2_prefetch_lead,
+            l2_prefetch_max_rows: self.l2_prefetch_max_rows.unwrap_or(0),
             ..opts
         }
     }
 
+    /// The variant's column name: the settings it changes, the rest being the kernel's defaults.
     fn name(self) -> String {
-        let or_default = |v: u32| {
-            if v == 0 {
-                "default".to_string()
-            } else {
-                v.to_string()
-            }
-        };
-        format!(
-            "fused v2, {} in flight, {} from L2, prefetch every {} cycles",
-            or_default(self.copies_in_flight),
-            or_default(self.l2_copies_in_flight),
-            or_default(self.l2_prefetch_interval)
-        )
+        let set: Vec<String> = [
+            self.copies_in_flight.map(|v| format!("{v} in flight")),
+            self.l2_copies_in_flight.map(|v| format!("{v} from L2")),
+            self.l2_prefetch_interval
+                .map(|v| format!("prefetch every {v} cycles")),
+            self.l2_prefetch_lead.map(|v| format!("prefetch lead {v}")),
+            self.l2_prefetch_max_rows
+                .map(|v| format!("prefetch up to {v} rows")),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        format!("fused v2, {}", set.join(", "))
     }
 }
 
@@ -1304,7 +1329,7 @@ fn main() -> Result<()> {
             v2_producer: match args.iter().position(|a| a == "--v2-producer") {
                 Some(i) => args
                     .get(i + 1)
-                    .context("--v2-producer needs a list, e.g. 2,3,2:4:2000")?
+                    .context("--v2-producer needs a list, e.g. 2,3,2:4:2000,2:::4:8")?
                     .split(',')
                     .map(ProducerSetting::parse)
                     .collect::<Result<_>>()?,
@@ -1322,34 +1347,47 @@ mod tests {
     #[test]
     fn producer_settings_parse_with_defaults_and_refuse_what_the_flags_cannot_hold() {
         let s = ProducerSetting::parse("2").unwrap();
+        assert_eq!(s.copies_in_flight, Some(2));
         assert_eq!(
-            (
-                s.copies_in_flight,
-                s.l2_copies_in_flight,
-                s.l2_prefetch_interval
-            ),
-            (2, 0, 0)
+            s.apply(FusedOptions::default()).producer_flags(),
+            Ok(2 << 8)
         );
+        assert_eq!(s.name(), "fused v2, 2 in flight");
         let s = ProducerSetting::parse("3:4:2000").unwrap();
         assert_eq!(
-            (
-                s.copies_in_flight,
-                s.l2_copies_in_flight,
-                s.l2_prefetch_interval
-            ),
-            (3, 4, 2000)
+            s.apply(FusedOptions::default()).producer_flags(),
+            Ok(3 << 8 | 4 << 12 | 4 << 16)
         );
-        let o = s.apply(FusedOptions::default());
-        assert_eq!(o.producer_flags(), Ok(3 << 8 | 4 << 12 | 4 << 16));
         assert_eq!(
             s.name(),
             "fused v2, 3 in flight, 4 from L2, prefetch every 2000 cycles"
         );
+        // Empty fields keep the defaults; a lead of 0 is the prefetch turned off.
+        let s = ProducerSetting::parse("2:::0").unwrap();
         assert_eq!(
-            ProducerSetting::parse("0").unwrap().name(),
-            "fused v2, default in flight, default from L2, prefetch every default cycles"
+            s.apply(FusedOptions::default()).producer_flags(),
+            Ok(2 << 8 | 1 << 20)
         );
-        for bad in ["", "x", "16", "1:16", "1:1:700", "1:2:3:4", "-1"] {
+        let s = ProducerSetting::parse("::::8").unwrap();
+        assert_eq!(
+            s.apply(FusedOptions::default()).producer_flags(),
+            Ok(8 << 24)
+        );
+        assert_eq!(s.name(), "fused v2, prefetch up to 8 rows");
+        for bad in [
+            "",
+            ":",
+            "x",
+            "0",
+            "16",
+            "1:16",
+            "1:0",
+            "1:1:700",
+            "1:::15",
+            "::::17",
+            "1:2:3:4:5:6",
+            "-1",
+        ] {
             assert!(ProducerSetting::parse(bad).is_err(), "{bad:?}");
         }
     }
