@@ -304,7 +304,7 @@ int main() {
         const size_t slot_bytes = (size_t)c.t * 16 * c.kc * 2;
         const size_t xs_bytes = 2 * (size_t)c.m * (c.kc * 2 + XS_PAD);
         const size_t budget = prop.sharedMemPerBlockOptin - 2 * MAX_SLOTS * 8 - 1024;
-        const int slots = (int)std::min<size_t>(MAX_SLOTS, (budget - xs_bytes) / slot_bytes);
+        const int slots = xs_bytes >= budget ? 0 : (int)std::min<size_t>(MAX_SLOTS, (budget - xs_bytes) / slot_bytes);
         const size_t smem = slots * slot_bytes + xs_bytes;
         Kernel kern = kernel_for(c.m, c.t);
         if (slots < 2 || !kern || tiles % c.t || (c.k / c.splits) % c.kc || c.kc % 32) {
