@@ -27,6 +27,9 @@
 # (not with AB_BASELINE=0) and every candidate (the bench itself compares each kernel's logits with the
 # standard step's at every shape); logs in $OUT/ab/, a summary table in $OUT/ab/summary.txt). Make the candidates here, where `patch` is known to exist:
 # experiments/fused/make_candidates.sh (its list says which patches and #define edits make each).
+# abx (ab in one bench process: `gpu_fused_check --bench --short --v2-kernels` with the same candidates,
+# AB_ONLY and AB_CHECK; each shape timed with the shipped kernel and every candidate in turn; the
+# checks first; $OUT/abx/bench_abx.txt, check_NAME.txt and summary.txt).
 # producer (`gpu_fused_check --bench --short --v2-producer $PRODUCER`, default
 # "2,3,4,2::2000,:::4,2:::4,::::8,2::::8": v2 with other producer settings, IN[:L2[:PACE[:LEAD[:ROWS]]]]
 # each (FusedOptions::copies_in_flight, l2_copies_in_flight, l2_prefetch_interval, l2_prefetch_lead,
@@ -146,6 +149,34 @@ if has producer; then
   grep -q "^exit 0$" "$out/producer.txt" || status=1
   # The summary table (the bench's last table) and the verdict on the logits.
   sed -n '/^llama3.2-1b, /,$p' "$out/producer.txt"
+fi
+if has abx; then
+  # ab's candidates in ONE bench process (gpu_fused_check --v2-kernels): each shape timed with the shipped
+  # kernel and every candidate in turn, one tuning and one standard step for all; the checks as ab's.
+  mkdir -p "$out/abx"
+  ab_dir=${AB_DIR:-.carry/pack/candidates}
+  abx_srcs=()
+  for src in "$ab_dir"/*.cu; do
+    [ -f "$src" ] || continue
+    name=$(basename "$src" .cu)
+    if [[ -n ${AB_ONLY:-} && " $AB_ONLY " != *" $name "* ]]; then continue; fi
+    abx_srcs+=("$src")
+  done
+  ab_check=${AB_CHECK:-1}
+  for src in ${abx_srcs[@]+"${abx_srcs[@]}"}; do
+    name=$(basename "$src" .cu)
+    if [[ $ab_check == 1 || ( $ab_check != 0 && " $ab_check " == *" $name "* ) ]]; then
+      { header; SPECULA_FUSED_STEP_CU=$(cd "$(dirname "$src")" && pwd)/$(basename "$src") timeout 300 "$bin/gpu_fused_check" --quick; echo "exit $?"; } > "$out/abx/check_$name.txt" 2>&1
+      grep -q "^exit 0$" "$out/abx/check_$name.txt" || status=1
+    fi
+  done
+  list=$(IFS=,; echo "${abx_srcs[*]}")
+  { header; timeout 500 "$bin/gpu_fused_check" --bench --short ${list:+--v2-kernels "$list"} ${extra[@]+"${extra[@]}"}; echo "exit $?"; } > "$out/abx/bench_abx.txt" 2>&1
+  grep -q "^exit 0$" "$out/abx/bench_abx.txt" || status=1
+  { sed -n '/^llama3.2-1b, /,$p' "$out/abx/bench_abx.txt"
+    for f in "$out"/abx/check_*.txt; do [ -f "$f" ] && echo "$(basename "$f" .txt): $(grep -E "worst relative error|^exit" "$f" | tr '\n' ' ')"; done
+  } > "$out/abx/summary.txt"
+  cat "$out/abx/summary.txt"
 fi
 if has timeline; then
   # The one-layer timeline (timeline.patch, made by make_candidates.sh), then its table. TIMELINE_CU may

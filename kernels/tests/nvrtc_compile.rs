@@ -64,3 +64,29 @@ fn no_gpu_is_a_clear_error_naming_the_cpu_fallback() {
         "{msg}"
     );
 }
+
+#[test]
+fn a_fused_step_variant_compiles_from_its_text_and_a_broken_one_names_its_label() {
+    use specula_kernels::cuda::{compile_fused_variant, CudaError, FUSED_KERNELS};
+    if !common::nvrtc_or_skip() {
+        return;
+    }
+    // The shipped kernel's own text, as an A/B in one process would pass a candidate's.
+    let text = include_str!("../cuda/fused_step.cu");
+    let ptx = compile_fused_variant(text, "shipped.cu", "sm_90", false)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .to_src();
+    for k in FUSED_KERNELS {
+        assert!(ptx.contains(&format!(".entry {k}(")), "{k} missing");
+    }
+    match compile_fused_variant("this is not CUDA;", "broken.cu", "sm_90", false) {
+        Err(CudaError::Compile { file, arch, .. }) => {
+            assert_eq!((file.as_str(), arch.as_str()), ("broken.cu", "sm_90"));
+        }
+        other => panic!("a broken variant compiled or failed otherwise: {other:?}"),
+    }
+    assert!(matches!(
+        compile_fused_variant(text, "shipped.cu", "sm_12", false),
+        Err(CudaError::UnsupportedArch(_))
+    ));
+}

@@ -747,6 +747,15 @@ pub struct FusedState {
     shapes: FusedShapes,
     /// `FusedShapes::Measured`'s timings, per shape (dropped when the kernel's options change).
     timings: BTreeMap<FusedShapeKey, ShapeTiming>,
+    /// Another fused_step.cu's text in place of this build's (`set_fused_variant`), or None.
+    variant: Option<FusedVariant>,
+}
+
+/// A fused_step.cu text that replaces this build's fused kernel (`GpuTransformer::set_fused_variant`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct FusedVariant {
+    label: String,
+    text: Arc<str>,
 }
 
 impl FusedState {
@@ -977,9 +986,9 @@ impl FusedStep {
                 "the fused step needs the gate/up rows paired (intermediate_size % 8 == 0)".into(),
             ));
         }
-        let module = t.device.load_source("fused_step.cu").map_err(gpu)?;
+        let module = t.fused_module(false)?;
         let prof_module = match opts.mode {
-            FusedMode::Profile => Some(t.device.load_source(FUSED_PROFILING_SOURCE).map_err(gpu)?),
+            FusedMode::Profile => Some(t.fused_module(true)?),
             _ => None,
         };
         Self::configure(t, opts, module, prof_module)
@@ -1282,15 +1291,13 @@ impl GpuTransformer {
         self.graphs.retain(|key, _| !key.4);
         if let Some(old) = self.fused.step.take() {
             let prof_module = match (&old.prof_module, opts.mode) {
-                (None, FusedMode::Profile) => {
-                    match self.device.load_source(FUSED_PROFILING_SOURCE) {
-                        Ok(m) => Some(m),
-                        Err(e) => {
-                            self.fused.step = Some(old);
-                            return Err(gpu(e));
-                        }
+                (None, FusedMode::Profile) => match self.fused_module(true) {
+                    Ok(m) => Some(m),
+                    Err(e) => {
+                        self.fused.step = Some(old);
+                        return Err(e);
                     }
-                }
+                },
                 (m, _) => m.clone(),
             };
             let configured = FusedStep::configure(self, &opts, old.module.clone(), prof_module);
@@ -1306,6 +1313,62 @@ impl GpuTransformer {
         // Timed with the old kernel.
         self.fused.timings.clear();
         Ok(())
+    }
+
+    /// The fused program (`profiling`: its FUSED_PROFILING 1 build) with the selected variant's
+    /// fused_step.cu, or this build's (which SPECULA_FUSED_STEP_CU may replace for the process).
+    fn fused_module(&self, profiling: bool) -> Result<Arc<CudaModule>, ModelError> {
+        match &self.fused.variant {
+            None => self.device.load_source(if profiling {
+                FUSED_PROFILING_SOURCE
+            } else {
+                "fused_step.cu"
+            }),
+            Some(v) => self.device.load_fused_variant(&v.text, &v.label, profiling),
+        }
+        .map_err(gpu)
+    }
+
+    /// Runs the fused kernel from another fused_step.cu's text (`label` names it in compile errors),
+    /// or this build's again with None: for A/Bs of kernel versions in one process, each shape timed
+    /// with every version in turn. The text must fit this build's host side (the same parameters and
+    /// entry points). Each text is compiled and loaded once (seconds); switching drops the fused
+    /// graphs and shape timings, as `set_fused_options` does. On a compile error nothing changes.
+    pub fn set_fused_variant(&mut self, variant: Option<(&str, &str)>) -> Result<(), ModelError> {
+        let new = variant.map(|(label, text)| FusedVariant {
+            label: label.to_string(),
+            text: Arc::from(text),
+        });
+        if new == self.fused.variant {
+            return Ok(());
+        }
+        let old_variant = std::mem::replace(&mut self.fused.variant, new);
+        if let Some(old) = self.fused.step.take() {
+            let built = self.fused_module(false).and_then(|module| {
+                let prof_module = match self.fused.opts.mode {
+                    FusedMode::Profile => Some(self.fused_module(true)?),
+                    _ => None,
+                };
+                FusedStep::configure(self, &self.fused.opts, module, prof_module)
+            });
+            match built {
+                Ok(step) => self.fused.step = Some(step),
+                Err(e) => {
+                    self.fused.step = Some(old);
+                    self.fused.variant = old_variant;
+                    return Err(e);
+                }
+            }
+            // Fused graphs point at the old kernel's parameters.
+            self.graphs.retain(|key, _| !key.4);
+        }
+        self.fused.timings.clear();
+        Ok(())
+    }
+
+    /// The label of the fused-kernel variant in use (`set_fused_variant`), None for this build's.
+    pub fn fused_variant(&self) -> Option<&str> {
+        self.fused.variant.as_ref().map(|v| v.label.as_str())
     }
 
     /// Which supported shapes run the fused kernel (default `FusedShapes::All`). Switching to

@@ -38,7 +38,7 @@
 //! cargo build --release -p specula-experiments --features cuda --bin gpu_fused_check
 //! Usage: gpu_fused_check [--quick] [--no-cooperative]
 //!        gpu_fused_check --bench [--context N] [--samples N] [--no-tune] [--seed N] [--no-cooperative] [--short [--v2-profile [--v2-profile-cta]]]
-//!                        [--v2-producer IN[:L2[:PACE[:LEAD[:ROWS]]]],...]
+//!                        [--v2-producer IN[:L2[:PACE[:LEAD[:ROWS]]]],...] [--v2-kernels A.cu,B.cu,...]
 //! (`--short`: only the standard, the v1 and the v2 step, no profile (`--v2-profile`: v2's
 //! profile at 1 x 1 and 1 x 8 all the same; `--v2-profile-cta`: also every CTA's raw slots, for
 //! the timeline kernel's per-CTA events, `experiments/fused/timeline_table.py --per-cta`); with
@@ -47,7 +47,10 @@
 //! (FusedOptions::copies_in_flight, l2_copies_in_flight, l2_prefetch_interval, l2_prefetch_lead,
 //! l2_prefetch_max_rows; an empty or absent field keeps the kernel's default), timed beside the default
 //! v2 step at every shape in the same process without recompiling; their logits must equal the default
-//! v2 step's bit for bit.)
+//! v2 step's bit for bit. `--v2-kernels a.cu,b.cu`: v2 again with each of these fused_step.cu versions
+//! (GpuTransformer::set_fused_variant: each compiled once, then switched to at every shape in the same
+//! process), each shape's line giving its time against the default v2 step's and its logits against the
+//! standard step's; the A/B of `run_fused_h200.sh abx`, without one process and one tuning per kernel.)
 
 #[path = "../../../verifier/tests/common/mod.rs"]
 mod common;
@@ -823,6 +826,9 @@ struct BenchArgs {
     /// v2's producer settings to time beside the default v2 step, in the same process and at every
     /// shape (`--v2-producer`): each is the v2 variant with these FusedOptions fields set.
     v2_producer: Vec<ProducerSetting>,
+    /// Other fused_step.cu versions to time beside the default v2 step (`--v2-kernels`): (label, text),
+    /// each its own variant, switched to at every shape in the same process.
+    v2_kernels: Vec<(String, String)>,
 }
 
 /// One `--v2-producer` entry, `IN[:L2[:PACE[:LEAD[:ROWS]]]]`: FusedOptions::copies_in_flight,
@@ -914,6 +920,8 @@ struct Variant {
     name: String,
     backend: StepBackend,
     opts: FusedOptions,
+    /// Index into BenchArgs::v2_kernels: the fused kernel version this variant runs (None: this build's).
+    kernel: Option<usize>,
 }
 
 fn bench(args: BenchArgs) -> Result<()> {
@@ -974,11 +982,13 @@ fn bench(args: BenchArgs) -> Result<()> {
             name: "standard".into(),
             backend: StepBackend::Standard,
             opts: fused,
+            kernel: None,
         },
         Variant {
             name: "fused v1".into(),
             backend: StepBackend::LatencySpecialized,
             opts: fused,
+            kernel: None,
         },
         Variant {
             name: "fused v2 (dataflow)".into(),
@@ -989,6 +999,7 @@ fn bench(args: BenchArgs) -> Result<()> {
                 dataflow_max_queries: usize::MAX,
                 ..fused
             },
+            kernel: None,
         },
         Variant {
             name: "fused v2, counters only".into(),
@@ -1000,6 +1011,7 @@ fn bench(args: BenchArgs) -> Result<()> {
                 mode: FusedMode::BarriersOnly,
                 ..fused
             },
+            kernel: None,
         },
         Variant {
             name: "fused v2, no attention".into(),
@@ -1011,6 +1023,7 @@ fn bench(args: BenchArgs) -> Result<()> {
                 mode: FusedMode::SkipAttention,
                 ..fused
             },
+            kernel: None,
         },
         Variant {
             name: "fused, 1024-column chunks".into(),
@@ -1019,6 +1032,7 @@ fn bench(args: BenchArgs) -> Result<()> {
                 chunk_k: 1024,
                 ..fused
             },
+            kernel: None,
         },
         Variant {
             name: "fused, row copies".into(),
@@ -1027,6 +1041,7 @@ fn bench(args: BenchArgs) -> Result<()> {
                 whole_tile_copies: false,
                 ..fused
             },
+            kernel: None,
         },
         Variant {
             name: "fused, cp.async copies".into(),
@@ -1035,6 +1050,7 @@ fn bench(args: BenchArgs) -> Result<()> {
                 ldgsts: true,
                 ..fused
             },
+            kernel: None,
         },
         Variant {
             name: "fused, barriers only".into(),
@@ -1043,6 +1059,7 @@ fn bench(args: BenchArgs) -> Result<()> {
                 mode: FusedMode::BarriersOnly,
                 ..fused
             },
+            kernel: None,
         },
         Variant {
             name: "fused, no attention".into(),
@@ -1051,6 +1068,7 @@ fn bench(args: BenchArgs) -> Result<()> {
                 mode: FusedMode::SkipAttention,
                 ..fused
             },
+            kernel: None,
         },
     ];
     let v2_default = all_variants[2].opts;
@@ -1061,6 +1079,18 @@ fn bench(args: BenchArgs) -> Result<()> {
             name: setting.name(),
             backend: StepBackend::LatencySpecialized,
             opts: setting.apply(v2_default),
+            kernel: None,
+        })
+        .collect();
+    let candidates: Vec<Variant> = args
+        .v2_kernels
+        .iter()
+        .enumerate()
+        .map(|(i, (label, _))| Variant {
+            name: format!("fused v2 [{label}]"),
+            backend: StepBackend::LatencySpecialized,
+            opts: v2_default,
+            kernel: Some(i),
         })
         .collect();
     // The standard, v1 and v2 steps stay first (the table's speedup and logits columns use them).
@@ -1071,8 +1101,10 @@ fn bench(args: BenchArgs) -> Result<()> {
                 || ["standard", "fused v1", "fused v2 (dataflow)"].contains(&v.name.as_str())
         })
         .chain(&sweep)
+        .chain(&candidates)
         .collect();
-    let first_sweep = variants.len() - sweep.len();
+    let first_sweep = variants.len() - sweep.len() - candidates.len();
+    let first_candidate = first_sweep + sweep.len();
     // Producer settings change when weight copies are issued, never what is computed: their logits
     // must be v2's bit for bit.
     let mut sweep_mismatch = Vec::new();
@@ -1122,6 +1154,12 @@ fn bench(args: BenchArgs) -> Result<()> {
             for v in &variants {
                 gpu.set_step_backend(v.backend)?;
                 if v.backend == StepBackend::LatencySpecialized {
+                    let kernel = v.kernel.map(|i| {
+                        let (label, text) = &args.v2_kernels[i];
+                        (label.as_str(), text.as_str())
+                    });
+                    gpu.set_fused_variant(kernel)
+                        .with_context(|| format!("{}: building its kernel", v.name))?;
                     gpu.set_fused_options(v.opts)?;
                 }
                 // The step itself (captures the graph), then back-to-back replays of it.
@@ -1145,7 +1183,12 @@ fn bench(args: BenchArgs) -> Result<()> {
             }
             let diff = max_rel(&logits[1], &logits[0]);
             let diff_v2 = max_rel(&logits[2], &logits[0]);
-            for (i, v) in variants.iter().enumerate().skip(first_sweep) {
+            for (i, v) in variants
+                .iter()
+                .enumerate()
+                .skip(first_sweep)
+                .take(sweep.len())
+            {
                 if logits[i] != logits[2] {
                     sweep_mismatch.push(format!(
                         "{b} x {t}: {} (max relative difference {:.2e} against the default v2 step)",
@@ -1162,6 +1205,18 @@ fn bench(args: BenchArgs) -> Result<()> {
                 times[2].0,
                 times[0].0 / times[2].0
             );
+            for (i, v) in variants.iter().enumerate().skip(first_candidate) {
+                println!(
+                    "{b} x {t}: {} {:.3} ms ({:.2}x the default v2 step's time), logits vs standard {:.2e}, vs the default v2 step {:.2e}",
+                    v.name,
+                    times[i].0,
+                    times[i].0 / times[2].0,
+                    max_rel(&logits[i], &logits[0]),
+                    max_rel(&logits[i], &logits[2])
+                );
+            }
+            // The profiles below run this build's kernel.
+            gpu.set_fused_variant(None)?;
             table.push((b, t, times, diff));
             // Where the fused step's time goes: one profiled step (per-CTA cycle counters).
             // v1 at (1, 1), (1, 8), (8, 8); v2 where it runs (<= 16 rows).
@@ -1326,6 +1381,23 @@ fn main() -> Result<()> {
                 .iter()
                 .any(|a| a == "--v2-profile" || a == "--v2-profile-cta"),
             v2_profile_cta: args.iter().any(|a| a == "--v2-profile-cta"),
+            v2_kernels: match args.iter().position(|a| a == "--v2-kernels") {
+                Some(i) => args
+                    .get(i + 1)
+                    .context("--v2-kernels needs a list of fused_step.cu files, e.g. a.cu,b.cu")?
+                    .split(',')
+                    .map(|path| {
+                        let text = std::fs::read_to_string(path)
+                            .with_context(|| format!("--v2-kernels: reading {path}"))?;
+                        let label = std::path::Path::new(path)
+                            .file_stem()
+                            .map(|s| s.to_string_lossy().into_owned())
+                            .unwrap_or_else(|| path.to_string());
+                        Ok((label, text))
+                    })
+                    .collect::<Result<_>>()?,
+                None => Vec::new(),
+            },
             v2_producer: match args.iter().position(|a| a == "--v2-producer") {
                 Some(i) => args
                     .get(i + 1)

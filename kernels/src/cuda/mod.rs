@@ -217,6 +217,45 @@ pub fn compile_source(file: &str, arch: &str) -> Result<Ptx, CudaError> {
     Ok(ptx)
 }
 
+/// Compiles the fused program with `fused_step` (the text of a `fused_step.cu`) in place of the embedded
+/// one, appended to the embedded decoder.cu as [`FUSED_SOURCE_ENV`] does for a whole process, with
+/// `FUSED_PROFILING` 1 when `profiling`: for A/Bs of several kernel versions in one process, whose
+/// host side (this build's) they must match. `label` names the program in NVRTC's messages. Kept for the
+/// life of the process by (text, arch, profiling).
+pub fn compile_fused_variant(
+    fused_step: &str,
+    label: &str,
+    arch: &str,
+    profiling: bool,
+) -> Result<Ptx, CudaError> {
+    type Key = (String, String, bool);
+    static CACHE: OnceLock<Mutex<HashMap<Key, Ptx>>> = OnceLock::new();
+    let key = (fused_step.to_string(), arch.to_string(), profiling);
+    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+    if let Some(ptx) = cache.lock().map_err(|_| poisoned())?.get(&key) {
+        return Ok(ptx.clone());
+    }
+    if !nvrtc_available() {
+        return Err(CudaError::NoNvrtc);
+    }
+    let program = if profiling {
+        FUSED_PROFILING_SOURCE
+    } else {
+        "fused_step.cu"
+    };
+    let base = SOURCE_OVERRIDES
+        .iter()
+        .find(|(name, _, _)| *name == program)
+        .map(|&(_, _, base)| base)
+        .ok_or_else(|| CudaError::Shape(format!("no fused program named {program}")))?;
+    let ptx = compile_text(&format!("{base}\n{fused_step}"), label, arch_name(arch)?)?;
+    cache
+        .lock()
+        .map_err(|_| poisoned())?
+        .insert(key, ptx.clone());
+    Ok(ptx)
+}
+
 fn poisoned() -> CudaError {
     CudaError::Shape("the PTX cache lock was poisoned by a panic".into())
 }
@@ -244,7 +283,11 @@ fn compile_uncached(file: &str, arch: &str) -> Result<Ptx, CudaError> {
         }
         None => None,
     };
-    let src = overridden.as_deref().unwrap_or(embedded);
+    compile_text(overridden.as_deref().unwrap_or(embedded), file, arch)
+}
+
+/// NVRTC with the backend's options; `file` names the program in messages.
+fn compile_text(src: &str, file: &str, arch: &'static str) -> Result<Ptx, CudaError> {
     let opts = CompileOptions {
         arch: Some(arch),
         // Keep IEEE division/sqrt and no FMA contraction surprises beyond what the source asks:
@@ -273,6 +316,9 @@ pub struct GpuDevice {
     pub pdl: bool,
     /// Whether the device can do programmatic dependent launch at all (sm_90+).
     pub pdl_capable: bool,
+    /// Modules of fused-step variants loaded so far, by (text, profiling): an A/B that switches
+    /// between kernels at every shape loads (and JIT-compiles) each once.
+    fused_variants: Mutex<HashMap<(String, bool), Arc<CudaModule>>>,
 }
 
 impl GpuDevice {
@@ -300,6 +346,7 @@ impl GpuDevice {
         Ok(GpuDevice {
             pdl: launch::pdl_supported(major),
             pdl_capable: major >= 9,
+            fused_variants: Mutex::new(HashMap::new()),
             name: ctx.name()?,
             ctx,
             stream,
@@ -316,5 +363,32 @@ impl GpuDevice {
     /// it as a module of its own (the standard step's module stays as it is).
     pub fn load_source(&self, file: &str) -> Result<Arc<CudaModule>, CudaError> {
         Ok(self.ctx.load_module(compile_source(file, &self.arch)?)?)
+    }
+
+    /// Compiles and loads the fused program with another `fused_step.cu` text
+    /// ([`compile_fused_variant`]), once per (text, profiling) for the life of the device.
+    pub fn load_fused_variant(
+        &self,
+        fused_step: &str,
+        label: &str,
+        profiling: bool,
+    ) -> Result<Arc<CudaModule>, CudaError> {
+        let key = (fused_step.to_string(), profiling);
+        if let Some(m) = self
+            .fused_variants
+            .lock()
+            .map_err(|_| poisoned())?
+            .get(&key)
+        {
+            return Ok(m.clone());
+        }
+        let module = self.ctx.load_module(compile_fused_variant(
+            fused_step, label, &self.arch, profiling,
+        )?)?;
+        self.fused_variants
+            .lock()
+            .map_err(|_| poisoned())?
+            .insert(key, module.clone());
+        Ok(module)
     }
 }
