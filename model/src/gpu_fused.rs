@@ -2115,7 +2115,7 @@ mod tests {
         assert_eq!(FusedMode::BarriersOnly.flags(), 1);
         assert_eq!(FusedMode::SkipAttention.flags(), 2);
         assert_eq!(FusedMode::Profile.flags(), 16);
-        // v2's producer settings: bits 8-11, 12-15 and 16-19 (fused_step.cu FUSED_*_SHIFT), 0 = default.
+        // v2's producer settings: bits 8-11, 12-15, 16-19, 20-23 and 24-28 (fused_step.cu FUSED_*_SHIFT), 0 = default.
         assert_eq!(FusedOptions::default().producer_flags(), Ok(0));
         let set = FusedOptions {
             copies_in_flight: 2,
