@@ -156,10 +156,12 @@ struct StepBenchArgs {
     /// engine's, 16); larger steps run v1. Each row of the report names the kernel it ran.
     #[arg(long)]
     fused_dataflow_max_rows: Option<usize>,
-    /// latency_specialized: weight part copies (32 KB) in flight per CTA in the dataflow kernel (v2),
-    /// 1..=15 (default: the kernel's, 1, chosen on H100s); the report states the value.
+    /// latency_specialized: the dataflow kernel's (v2) producer settings, IN[:L2[:PACE[:LEAD[:ROWS]]]]:
+    /// weight copies (32 KB) in flight per CTA, copies in flight from L2, the paced L2 prefetch's
+    /// interval in cycles, its lead in chunks (0: off) and the most rows of a step it runs in; empty
+    /// fields keep the kernel's defaults (chosen on H100s), e.g. `2` or `2:::4`. The report states them.
     #[arg(long)]
-    fused_copies_in_flight: Option<u32>,
+    fused_producer: Option<String>,
     #[arg(long, default_value = "experiments/results/step_bench")]
     out: PathBuf,
 }
@@ -919,7 +921,7 @@ fn cmd_bench_step(a: StepBenchArgs) -> Result<()> {
             .map(|b| b.parse().map_err(|e| anyhow::anyhow!("--backends: {e}")))
             .collect::<Result<_>>()?,
         dataflow_max_rows: a.fused_dataflow_max_rows,
-        copies_in_flight: a.fused_copies_in_flight,
+        producer: a.fused_producer,
         out_dir: a.out,
     })?;
     Ok(())

@@ -22,7 +22,7 @@ use anyhow::{Context, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
-use specula_model::gpu::fused::{StepBackend, DATAFLOW_MAX_ROWS};
+use specula_model::gpu::fused::{ProducerSettings, StepBackend, DATAFLOW_MAX_ROWS};
 use specula_model::gpu::{AttentionKernel, GpuOptions, GpuSeqInput, GpuTransformer, StepAblation};
 use specula_model::loader::load;
 use specula_model::random::preset;
@@ -54,9 +54,10 @@ pub struct StepBenchConfig {
     /// (`FusedOptions::dataflow_max_rows`, 1..=`DATAFLOW_MAX_ROWS`); None keeps the engine's default.
     /// Larger steps run v1. For comparing the two kernels at one shape in the same harness.
     pub dataflow_max_rows: Option<usize>,
-    /// `latency_specialized`: weight part copies in flight per CTA in v2
-    /// (`FusedOptions::copies_in_flight`, 1..=15); None keeps the kernel's default (1, chosen on H100s).
-    pub copies_in_flight: Option<u32>,
+    /// `latency_specialized`: v2's producer settings, a `ProducerSettings` spec
+    /// (`IN[:L2[:PACE[:LEAD[:ROWS]]]]`, e.g. `2` for two weight copies in flight per CTA); None keeps
+    /// the kernel's defaults (chosen on H100s).
+    pub producer: Option<String>,
     pub out_dir: PathBuf,
 }
 
@@ -135,8 +136,8 @@ pub struct StepBenchReport {
     pub dataflow_max_rows: usize,
     /// `FusedOptions::dataflow_max_queries` in effect (query vectors per KV head in one sequence).
     pub dataflow_max_queries: usize,
-    /// `FusedOptions::copies_in_flight` in effect (0: the kernel's default, FV2_MAX_INFLIGHT).
-    pub copies_in_flight: u32,
+    /// v2's producer settings in effect, in words (`ProducerSettings::describe`).
+    pub producer: String,
     /// Kernel sources replaced through a development knob (empty: this revision's kernels ran).
     pub kernel_overrides: Vec<crate::KernelOverride>,
     pub rows: Vec<StepRow>,
@@ -347,12 +348,12 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
             "the dataflow kernel's row limit must be in 1..={DATAFLOW_MAX_ROWS}, got {n}"
         );
     }
-    if let Some(n) = cfg.copies_in_flight {
-        anyhow::ensure!(
-            (1..=15).contains(&n),
-            "the dataflow kernel's weight copies in flight per CTA must be in 1..=15, got {n}"
-        );
-    }
+    let producer = cfg
+        .producer
+        .as_deref()
+        .map(ProducerSettings::parse)
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("the dataflow kernel's {e}"))?;
     // Positions: the prompt, the committed tokens (at most T per step) and one verify block on top.
     let max_positions = (cfg.context + cfg.steps * max_t + 2 * max_t + 16).next_multiple_of(16);
     let opts = GpuOptions {
@@ -389,11 +390,9 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
         gpu.set_fused_options(fused)
             .context("setting the dataflow kernel's row limit")?;
     }
-    if let Some(n) = cfg.copies_in_flight {
-        let mut fused = gpu.fused_options();
-        fused.copies_in_flight = n;
-        gpu.set_fused_options(fused)
-            .context("setting the dataflow kernel's copies in flight")?;
+    if let Some(settings) = producer {
+        gpu.set_fused_options(settings.apply(gpu.fused_options()))
+            .context("setting the dataflow kernel's producer")?;
     }
     let vocab = gpu.config().vocab_size as u32;
     eprintln!(
@@ -655,7 +654,7 @@ pub fn run_step_bench(cfg: StepBenchConfig) -> Result<StepBenchReport> {
         fused_swiglu: gpu.fused_swiglu(),
         dataflow_max_rows: gpu.fused_options().dataflow_max_rows,
         dataflow_max_queries: gpu.fused_options().dataflow_max_queries,
-        copies_in_flight: gpu.fused_options().copies_in_flight,
+        producer: ProducerSettings::of(&gpu.fused_options()).describe(),
         kernel_overrides: crate::kernel_overrides(),
         rows,
         profile,
@@ -701,14 +700,10 @@ graph replay = device time per replay, CUDA events around 10 replays queued back
     }
     md.push_str(&crate::kernel_overrides_markdown(&r.kernel_overrides));
     md.push_str(&format!(
-        "latency_specialized runs the dataflow kernel (v2) at steps of <= {} rows whose longest sequence has at most {} query vectors per KV head (where the model's shape allows it), and v1 otherwise; its rows name the kernel they ran. v2's weight copies in flight per CTA: {}.\n\n",
+        "latency_specialized runs the dataflow kernel (v2) at steps of <= {} rows whose longest sequence has at most {} query vectors per KV head (where the model's shape allows it), and v1 otherwise; its rows name the kernel they ran. v2's producer: {}.\n\n",
         r.dataflow_max_rows,
         r.dataflow_max_queries,
-        if r.copies_in_flight == 0 {
-            "the kernel's default (1)".to_string()
-        } else {
-            format!("{} (set for this run)", r.copies_in_flight)
-        }
+        r.producer
     ));
     md.push_str("| running requests | tokens/seq | backend | fused steps | step ms median | P90 | graph-replay ms | floor ms | % of floor | no-graph step ms | committed/step | mean context |\n|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for row in &r.rows {
@@ -841,22 +836,22 @@ mod tests {
             tune: false,
             backends: vec![StepBackend::LatencySpecialized],
             dataflow_max_rows,
-            copies_in_flight: None,
+            producer: None,
             out_dir: std::env::temp_dir(),
         }
     }
 
     #[test]
-    fn copies_in_flight_out_of_range_are_refused_before_any_gpu_work() {
-        for n in [0, 16] {
+    fn producer_settings_the_flags_cannot_hold_are_refused_before_any_gpu_work() {
+        for spec in ["0", "16", "x", "1:1:700"] {
             let e = run_step_bench(StepBenchConfig {
-                copies_in_flight: Some(n),
+                producer: Some(spec.into()),
                 ..config(None)
             })
             .unwrap_err()
             .to_string();
             assert!(
-                e.contains("copies in flight") && e.contains(&format!("got {n}")),
+                e.contains("producer settings") && e.contains(&format!("{spec:?}")),
                 "{e}"
             );
         }

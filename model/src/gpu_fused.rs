@@ -494,6 +494,108 @@ impl FusedOptions {
     }
 }
 
+/// v2's producer settings as one spec, `IN[:L2[:PACE[:LEAD[:ROWS]]]]`: `FusedOptions::copies_in_flight`,
+/// `l2_copies_in_flight`, `l2_prefetch_interval`, `l2_prefetch_lead` and `l2_prefetch_max_rows`. An
+/// empty or absent field keeps the kernel's default (`2::::8` sets the copies in flight and the
+/// prefetch's row limit); LEAD 0 turns the paced prefetch off. For benches that compare settings
+/// (`gpu_fused_check --v2-producer`) or run with one (`specula bench step --fused-producer`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ProducerSettings {
+    pub copies_in_flight: Option<u32>,
+    pub l2_copies_in_flight: Option<u32>,
+    pub l2_prefetch_interval: Option<u32>,
+    pub l2_prefetch_lead: Option<u32>,
+    pub l2_prefetch_max_rows: Option<u32>,
+}
+
+impl ProducerSettings {
+    const FIELDS: [&'static str; 5] = ["IN", "L2", "PACE", "LEAD", "ROWS"];
+
+    /// Parses a spec, refusing what the launch flags cannot hold.
+    pub fn parse(spec: &str) -> Result<ProducerSettings, String> {
+        let fields: Vec<&str> = spec.split(':').collect();
+        if fields.len() > Self::FIELDS.len() || fields.iter().all(|f| f.is_empty()) {
+            return Err(format!(
+                "producer settings {spec:?}: want IN[:L2[:PACE[:LEAD[:ROWS]]]] with at least one field set"
+            ));
+        }
+        let num = |i: usize| -> Result<Option<u32>, String> {
+            let Some(f) = fields.get(i).filter(|f| !f.is_empty()) else {
+                return Ok(None);
+            };
+            let name = Self::FIELDS[i];
+            let v: u32 = f
+                .parse()
+                .map_err(|_| format!("producer settings {spec:?}: {name} {f:?} is not a number"))?;
+            // 0 means the kernel's default in FusedOptions; here an empty field says that.
+            if v == 0 && name != "LEAD" {
+                return Err(format!(
+                    "producer settings {spec:?}: {name} 0 (leave the field empty for the kernel's default)"
+                ));
+            }
+            Ok(Some(v))
+        };
+        let settings = ProducerSettings {
+            copies_in_flight: num(0)?,
+            l2_copies_in_flight: num(1)?,
+            l2_prefetch_interval: num(2)?,
+            l2_prefetch_lead: num(3)?,
+            l2_prefetch_max_rows: num(4)?,
+        };
+        settings
+            .apply(FusedOptions::default())
+            .producer_flags()
+            .map_err(|e| format!("producer settings {spec:?}: {e}"))?;
+        Ok(settings)
+    }
+
+    /// `opts` with its producer fields set to these (the unset ones to the kernel's defaults).
+    pub fn apply(self, opts: FusedOptions) -> FusedOptions {
+        FusedOptions {
+            copies_in_flight: self.copies_in_flight.unwrap_or(0),
+            l2_copies_in_flight: self.l2_copies_in_flight.unwrap_or(0),
+            l2_prefetch_interval: self.l2_prefetch_interval.unwrap_or(0),
+            l2_prefetch_lead: self.l2_prefetch_lead,
+            l2_prefetch_max_rows: self.l2_prefetch_max_rows.unwrap_or(0),
+            ..opts
+        }
+    }
+
+    /// The settings `opts` carries.
+    pub fn of(opts: &FusedOptions) -> ProducerSettings {
+        let set = |v: u32| (v != 0).then_some(v);
+        ProducerSettings {
+            copies_in_flight: set(opts.copies_in_flight),
+            l2_copies_in_flight: set(opts.l2_copies_in_flight),
+            l2_prefetch_interval: set(opts.l2_prefetch_interval),
+            l2_prefetch_lead: opts.l2_prefetch_lead,
+            l2_prefetch_max_rows: set(opts.l2_prefetch_max_rows),
+        }
+    }
+
+    /// What is set, in words ("the kernel's defaults" when nothing is).
+    pub fn describe(self) -> String {
+        let set: Vec<String> = [
+            self.copies_in_flight
+                .map(|v| format!("{v} copies in flight")),
+            self.l2_copies_in_flight.map(|v| format!("{v} from L2")),
+            self.l2_prefetch_interval
+                .map(|v| format!("prefetch every {v} cycles")),
+            self.l2_prefetch_lead.map(|v| format!("prefetch lead {v}")),
+            self.l2_prefetch_max_rows
+                .map(|v| format!("prefetch up to {v} rows")),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if set.is_empty() {
+            "the kernel's defaults".to_string()
+        } else {
+            set.join(", ")
+        }
+    }
+}
+
 impl Default for FusedOptions {
     fn default() -> Self {
         FusedOptions {
@@ -2164,6 +2266,40 @@ mod tests {
             },
         ] {
             assert!(bad.producer_flags().is_err(), "{bad:?}");
+        }
+        // The spec form: empty fields keep the defaults, LEAD 0 turns the prefetch off.
+        let d = FusedOptions::default();
+        let s = ProducerSettings::parse("2").unwrap();
+        assert_eq!(s.apply(d).producer_flags(), Ok(2 << 8));
+        assert_eq!(s.describe(), "2 copies in flight");
+        assert_eq!(ProducerSettings::of(&s.apply(d)), s);
+        let s = ProducerSettings::parse("3:4:2000").unwrap();
+        assert_eq!(s.apply(d).producer_flags(), Ok(3 << 8 | 4 << 12 | 4 << 16));
+        assert_eq!(
+            s.describe(),
+            "3 copies in flight, 4 from L2, prefetch every 2000 cycles"
+        );
+        let s = ProducerSettings::parse("2:::0").unwrap();
+        assert_eq!(s.apply(d).producer_flags(), Ok(2 << 8 | 1 << 20));
+        assert_eq!(ProducerSettings::of(&s.apply(d)), s);
+        let s = ProducerSettings::parse("::::8").unwrap();
+        assert_eq!(s.apply(d).producer_flags(), Ok(8 << 24));
+        assert_eq!(ProducerSettings::of(&d).describe(), "the kernel's defaults");
+        for bad in [
+            "",
+            ":",
+            "x",
+            "0",
+            "16",
+            "1:16",
+            "1:0",
+            "1:1:700",
+            "1:::15",
+            "::::17",
+            "1:2:3:4:5:6",
+            "-1",
+        ] {
+            assert!(ProducerSettings::parse(bad).is_err(), "{bad:?}");
         }
         assert_eq!(LAYER_WORDS * 8, 96);
         assert_eq!(FusedProfile::SLOTS.len(), 24);

@@ -62,7 +62,9 @@ use specula_experiments::max_relative_error as max_rel;
 use specula_experiments::step_bench::{copy_bandwidth, percentile, skinny_times};
 use specula_experiments::tiny_check_config;
 use specula_kernels::sampling::{self, argmax, SamplingParams};
-use specula_model::gpu::fused::{FusedMode, FusedOptions, StepBackend, DATAFLOW_MAX_ROWS};
+use specula_model::gpu::fused::{
+    FusedMode, FusedOptions, ProducerSettings, StepBackend, DATAFLOW_MAX_ROWS,
+};
 use specula_model::gpu::{AttentionKernel, GpuOptions, GpuSeqInput, GpuTransformer, StepAblation};
 use specula_model::loader::load;
 use specula_model::random::{preset, random_transformer};
@@ -825,95 +827,10 @@ struct BenchArgs {
     v2_profile_cta: bool,
     /// v2's producer settings to time beside the default v2 step, in the same process and at every
     /// shape (`--v2-producer`): each is the v2 variant with these FusedOptions fields set.
-    v2_producer: Vec<ProducerSetting>,
+    v2_producer: Vec<ProducerSettings>,
     /// Other fused_step.cu versions to time beside the default v2 step (`--v2-kernels`): (label, text),
     /// each its own variant, switched to at every shape in the same process.
     v2_kernels: Vec<(String, String)>,
-}
-
-/// One `--v2-producer` entry, `IN[:L2[:PACE[:LEAD[:ROWS]]]]`: FusedOptions::copies_in_flight,
-/// l2_copies_in_flight, l2_prefetch_interval, l2_prefetch_lead and l2_prefetch_max_rows. An empty or
-/// absent field keeps the kernel's default (so `2::::8` sets the copies in flight and the prefetch's row
-/// limit); LEAD 0 turns the paced prefetch off.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct ProducerSetting {
-    copies_in_flight: Option<u32>,
-    l2_copies_in_flight: Option<u32>,
-    l2_prefetch_interval: Option<u32>,
-    l2_prefetch_lead: Option<u32>,
-    l2_prefetch_max_rows: Option<u32>,
-}
-
-impl ProducerSetting {
-    const FIELDS: [&'static str; 5] = ["IN", "L2", "PACE", "LEAD", "ROWS"];
-
-    fn parse(spec: &str) -> Result<ProducerSetting> {
-        let fields: Vec<&str> = spec.split(':').collect();
-        if fields.len() > Self::FIELDS.len() || fields.iter().all(|f| f.is_empty()) {
-            bail!("--v2-producer entry {spec:?}: want IN[:L2[:PACE[:LEAD[:ROWS]]]] with at least one field set");
-        }
-        let num = |i: usize| -> Result<Option<u32>> {
-            match fields.get(i).filter(|f| !f.is_empty()) {
-                None => Ok(None),
-                Some(f) => {
-                    let v: u32 = f.parse().with_context(|| {
-                        format!(
-                            "--v2-producer entry {spec:?}: {} {f:?} is not a number",
-                            Self::FIELDS[i]
-                        )
-                    })?;
-                    // 0 means the kernel's default in FusedOptions; here an empty field says that.
-                    if v == 0 && Self::FIELDS[i] != "LEAD" {
-                        bail!(
-                            "--v2-producer entry {spec:?}: {} 0 (leave the field empty for the kernel's default)",
-                            Self::FIELDS[i]
-                        );
-                    }
-                    Ok(Some(v))
-                }
-            }
-        };
-        let setting = ProducerSetting {
-            copies_in_flight: num(0)?,
-            l2_copies_in_flight: num(1)?,
-            l2_prefetch_interval: num(2)?,
-            l2_prefetch_lead: num(3)?,
-            l2_prefetch_max_rows: num(4)?,
-        };
-        setting
-            .apply(FusedOptions::default())
-            .producer_flags()
-            .map_err(|e| anyhow::anyhow!("--v2-producer entry {spec:?}: {e}"))?;
-        Ok(setting)
-    }
-
-    fn apply(self, opts: FusedOptions) -> FusedOptions {
-        FusedOptions {
-            copies_in_flight: self.copies_in_flight.unwrap_or(0),
-            l2_copies_in_flight: self.l2_copies_in_flight.unwrap_or(0),
-            l2_prefetch_interval: self.l2_prefetch_interval.unwrap_or(0),
-            l2_prefetch_lead: self.l2_prefetch_lead,
-            l2_prefetch_max_rows: self.l2_prefetch_max_rows.unwrap_or(0),
-            ..opts
-        }
-    }
-
-    /// The variant's column name: the settings it changes, the rest being the kernel's defaults.
-    fn name(self) -> String {
-        let set: Vec<String> = [
-            self.copies_in_flight.map(|v| format!("{v} in flight")),
-            self.l2_copies_in_flight.map(|v| format!("{v} from L2")),
-            self.l2_prefetch_interval
-                .map(|v| format!("prefetch every {v} cycles")),
-            self.l2_prefetch_lead.map(|v| format!("prefetch lead {v}")),
-            self.l2_prefetch_max_rows
-                .map(|v| format!("prefetch up to {v} rows")),
-        ]
-        .into_iter()
-        .flatten()
-        .collect();
-        format!("fused v2, {}", set.join(", "))
-    }
 }
 
 struct Variant {
@@ -1076,7 +993,7 @@ fn bench(args: BenchArgs) -> Result<()> {
         .v2_producer
         .iter()
         .map(|setting| Variant {
-            name: setting.name(),
+            name: format!("fused v2, {}", setting.describe()),
             backend: StepBackend::LatencySpecialized,
             opts: setting.apply(v2_default),
             kernel: None,
@@ -1403,64 +1320,14 @@ fn main() -> Result<()> {
                     .get(i + 1)
                     .context("--v2-producer needs a list, e.g. 2,3,2:4:2000,2:::4:8")?
                     .split(',')
-                    .map(ProducerSetting::parse)
+                    .map(|spec| {
+                        ProducerSettings::parse(spec)
+                            .map_err(|e| anyhow::anyhow!("--v2-producer: {e}"))
+                    })
                     .collect::<Result<_>>()?,
                 None => Vec::new(),
             },
         });
     }
     check(args.iter().any(|a| a == "--quick"), cooperative)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn producer_settings_parse_with_defaults_and_refuse_what_the_flags_cannot_hold() {
-        let s = ProducerSetting::parse("2").unwrap();
-        assert_eq!(s.copies_in_flight, Some(2));
-        assert_eq!(
-            s.apply(FusedOptions::default()).producer_flags(),
-            Ok(2 << 8)
-        );
-        assert_eq!(s.name(), "fused v2, 2 in flight");
-        let s = ProducerSetting::parse("3:4:2000").unwrap();
-        assert_eq!(
-            s.apply(FusedOptions::default()).producer_flags(),
-            Ok(3 << 8 | 4 << 12 | 4 << 16)
-        );
-        assert_eq!(
-            s.name(),
-            "fused v2, 3 in flight, 4 from L2, prefetch every 2000 cycles"
-        );
-        // Empty fields keep the defaults; a lead of 0 is the prefetch turned off.
-        let s = ProducerSetting::parse("2:::0").unwrap();
-        assert_eq!(
-            s.apply(FusedOptions::default()).producer_flags(),
-            Ok(2 << 8 | 1 << 20)
-        );
-        let s = ProducerSetting::parse("::::8").unwrap();
-        assert_eq!(
-            s.apply(FusedOptions::default()).producer_flags(),
-            Ok(8 << 24)
-        );
-        assert_eq!(s.name(), "fused v2, prefetch up to 8 rows");
-        for bad in [
-            "",
-            ":",
-            "x",
-            "0",
-            "16",
-            "1:16",
-            "1:0",
-            "1:1:700",
-            "1:::15",
-            "::::17",
-            "1:2:3:4:5:6",
-            "-1",
-        ] {
-            assert!(ProducerSetting::parse(bad).is_err(), "{bad:?}");
-        }
-    }
 }
