@@ -15,8 +15,10 @@
 //   ring slot (the weights laid out tile by tile and chunk by chunk, so each slice is one contiguous copy,
 //   tagged L2 evict-first as the fused step's), while the consumers stage the chunk's M x KC activations
 //   from L2 by cp.async, double-buffered, once for all T tiles;
-// - the 8 consumer warps split the T tiles (WT), then the rows (WN, 8 rows each), then K (WK), whichever
-//   the tile count leaves; each warp's fp32 accumulators stay in registers through the whole K range.
+// - the 8 consumer warps split the T tiles (WT warps, T / WT tiles each), then the rows (WN, 8 rows each),
+//   then K (WK), whichever the tile count leaves; each warp's fp32 accumulators stay in registers through
+//   the whole K range. WT = T reads the staged activations once per warp (8 times a chunk at T = 8);
+//   fewer warps across the tiles read each weight fragment more often and the activations less.
 // Each launch runs LAYERS layers of the stage on fresh weights (so they come from HBM), with a grid
 // barrier between layers as the next stage's dependency would impose; the producer runs ahead across it
 // as the fused step's does. The table gives the median (and P90) microseconds per stage, the weight rate,
@@ -73,14 +75,14 @@ __host__ __device__ inline size_t w_index(int n, int k, int K, int kc) {
     return (((size_t)(n / 16) * (K / kc) + k / kc) * 16 + n % 16) * kc + k % kc;
 }
 
-// One stage: M activation rows, T tiles per CTA group (1, 2, 4 or 8).
-template <int M, int T>
+// One stage: M activation rows, T tiles per CTA group (1, 2, 4 or 8), WT warps across the tiles.
+template <int M, int T, int WT>
 __global__ void __launch_bounds__(THREADS, 1) stage_kernel(StageArgs a) {
-    constexpr int WT = T < 8 ? T : 8;                          // warps across the group's tiles (one each)
-    constexpr int WN = (8 / WT) < (M / 8) ? (8 / WT) : (M / 8);  // then across 8-row blocks
-    constexpr int WK = 8 / (WT * WN);                          // then across K
-    constexpr int NF = M / 8 / WN;                             // 8-row blocks per warp
-    static_assert(WT * WN * WK == 8 && NF * WN * 8 == M, "warp split");
+    constexpr int TW = T / WT;                                   // tiles per warp
+    constexpr int WN = (8 / WT) < (M / 8) ? (8 / WT) : (M / 8);  // warps across 8-row blocks
+    constexpr int WK = 8 / (WT * WN);                            // then across K
+    constexpr int NF = M / 8 / WN;                               // 8-row blocks per warp
+    static_assert(TW * WT == T && WT * WN * WK == 8 && NF * WN * 8 == M, "warp split");
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ unsigned long long full[MAX_SLOTS], empty[MAX_SLOTS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
@@ -131,9 +133,11 @@ __global__ void __launch_bounds__(THREADS, 1) stage_kernel(StageArgs a) {
     for (int l = 0; l < a.layers; ++l) {
         for (int g = blockIdx.x; g < groups; g += gridDim.x) {
             const int s = g / groups_per_split, tile0 = (g % groups_per_split) * T;
-            float c[NF][4];
+            float c[TW][NF][4];
 #pragma unroll
-            for (int f = 0; f < NF; ++f) c[f][0] = c[f][1] = c[f][2] = c[f][3] = 0.0f;
+            for (int u = 0; u < TW; ++u)
+#pragma unroll
+                for (int f = 0; f < NF; ++f) c[u][f][0] = c[u][f][1] = c[u][f][2] = c[u][f][3] = 0.0f;
             stage_x(0, s * ks);
             for (int ch = 0; ch < nch; ++ch, ++i) {
                 cp_async_wait_all();
@@ -141,21 +145,31 @@ __global__ void __launch_bounds__(THREADS, 1) stage_kernel(StageArgs a) {
                 if (ch + 1 < nch) stage_x((ch + 1) & 1, s * ks + (ch + 1) * a.kc);
                 const int slot = i % a.slots;
                 mbar_wait(&full[slot], (i / a.slots) & 1u);
+                // This warp's tiles are wt, wt + WT, ... of the group.
                 const unsigned char* wa = ring + (size_t)slot * slot_bytes + (size_t)wt * 16 * a.kc * 2;
+                const size_t tile_step = (size_t)WT * 16 * a.kc * 2;
                 const unsigned char* xb = xs + (size_t)(ch & 1) * M * xs_stride;
                 // The fused step's fragment scheme (fv2_gemm): per 32 columns each lane loads 8 consecutive
                 // columns of its A rows and its B row; the same k permutation on both sides, so the sum
                 // over k is unchanged.
                 for (int sc = wk; sc * 32 < a.kc; sc += WK) {
                     const int kl = sc * 32 + t * 8;
-                    const uint4 a_lo = *reinterpret_cast<const uint4*>(wa + gq * a.kc * 2 + kl * 2);
-                    const uint4 a_hi = *reinterpret_cast<const uint4*>(wa + (gq + 8) * a.kc * 2 + kl * 2);
+                    uint4 b[NF];
 #pragma unroll
                     for (int f = 0; f < NF; ++f) {
                         const int m = (wn * NF + f) * 8 + gq;
-                        const uint4 b = *reinterpret_cast<const uint4*>(xb + (size_t)m * xs_stride + kl * 2);
-                        mma_bf16_16816(c[f], a_lo.x, a_hi.x, a_lo.y, a_hi.y, b.x, b.y);
-                        mma_bf16_16816(c[f], a_lo.z, a_hi.z, a_lo.w, a_hi.w, b.z, b.w);
+                        b[f] = *reinterpret_cast<const uint4*>(xb + (size_t)m * xs_stride + kl * 2);
+                    }
+#pragma unroll
+                    for (int u = 0; u < TW; ++u) {
+                        const unsigned char* wu = wa + u * tile_step;
+                        const uint4 a_lo = *reinterpret_cast<const uint4*>(wu + gq * a.kc * 2 + kl * 2);
+                        const uint4 a_hi = *reinterpret_cast<const uint4*>(wu + (gq + 8) * a.kc * 2 + kl * 2);
+#pragma unroll
+                        for (int f = 0; f < NF; ++f) {
+                            mma_bf16_16816(c[u][f], a_lo.x, a_hi.x, a_lo.y, a_hi.y, b[f].x, b[f].y);
+                            mma_bf16_16816(c[u][f], a_lo.z, a_hi.z, a_lo.w, a_hi.w, b[f].z, b[f].w);
+                        }
                     }
                 }
                 consumers_sync();  // every warp is done with the slot
@@ -164,31 +178,34 @@ __global__ void __launch_bounds__(THREADS, 1) stage_kernel(StageArgs a) {
             // The K-split warps' partials added in warp order through shared memory (the activation
             // buffers are free: the last chunk's barrier has passed), then written by the wk = 0 warps.
             if (WK > 1) {
+                // WK > 1 only where the split leaves one tile and one 8-row block a warp (TW = NF = 1).
+                static_assert(WK == 1 || (TW == 1 && NF == 1), "K-split warps hold one fragment");
                 float* red = reinterpret_cast<float*>(xs);
 #pragma unroll
-                for (int f = 0; f < NF; ++f)
-                    for (int e = 0; e < 4; ++e) red[((warp * NF + f) * 4 + e) * 32 + lane] = c[f][e];
+                for (int e = 0; e < 4; ++e) red[(warp * 4 + e) * 32 + lane] = c[0][0][e];
                 consumers_sync();
                 if (wk == 0) {
                     for (int o = 1; o < WK; ++o) {
                         const int w2 = warp + o * WT * WN;
 #pragma unroll
-                        for (int f = 0; f < NF; ++f)
-                            for (int e = 0; e < 4; ++e) c[f][e] += red[((w2 * NF + f) * 4 + e) * 32 + lane];
+                        for (int e = 0; e < 4; ++e) c[0][0][e] += red[(w2 * 4 + e) * 32 + lane];
                     }
                 }
                 consumers_sync();
             }
             if (wk == 0) {
-                const int n0 = (tile0 + wt) * 16;
+                float* o = a.out + (size_t)s * M * a.n;
 #pragma unroll
-                for (int f = 0; f < NF; ++f) {
-                    const int m = (wn * NF + f) * 8 + 2 * t;
-                    float* o = a.out + (size_t)s * M * a.n;
-                    o[(size_t)m * a.n + n0 + gq] = c[f][0];
-                    o[(size_t)(m + 1) * a.n + n0 + gq] = c[f][1];
-                    o[(size_t)m * a.n + n0 + gq + 8] = c[f][2];
-                    o[(size_t)(m + 1) * a.n + n0 + gq + 8] = c[f][3];
+                for (int u = 0; u < TW; ++u) {
+                    const int n0 = (tile0 + wt + u * WT) * 16;
+#pragma unroll
+                    for (int f = 0; f < NF; ++f) {
+                        const int m = (wn * NF + f) * 8 + 2 * t;
+                        o[(size_t)m * a.n + n0 + gq] = c[u][f][0];
+                        o[(size_t)(m + 1) * a.n + n0 + gq] = c[u][f][1];
+                        o[(size_t)m * a.n + n0 + gq + 8] = c[u][f][2];
+                        o[(size_t)(m + 1) * a.n + n0 + gq + 8] = c[u][f][3];
+                    }
                 }
             }
         }
@@ -224,21 +241,25 @@ __global__ void fill(unsigned short* p, size_t n, unsigned seed) {
 struct Config {
     const char* stage;
     int n, k, m, t, splits, kc;
+    int wt;  // warps across the tiles (0: min(T, 8), one tile a warp)
 };
 
 typedef void (*Kernel)(StageArgs);
-static Kernel kernel_for(int m, int t) {
+static Kernel kernel_for(int m, int t, int wt) {
     static const struct {
-        int m, t;
+        int m, t, wt;
         Kernel k;
     } table[] = {
-        {16, 1, stage_kernel<16, 1>}, {16, 2, stage_kernel<16, 2>}, {16, 4, stage_kernel<16, 4>},
-        {16, 8, stage_kernel<16, 8>}, {32, 1, stage_kernel<32, 1>}, {32, 2, stage_kernel<32, 2>},
-        {32, 4, stage_kernel<32, 4>}, {32, 8, stage_kernel<32, 8>}, {64, 1, stage_kernel<64, 1>},
-        {64, 2, stage_kernel<64, 2>}, {64, 4, stage_kernel<64, 4>}, {64, 8, stage_kernel<64, 8>},
+        {16, 1, 1, stage_kernel<16, 1, 1>}, {16, 2, 2, stage_kernel<16, 2, 2>}, {16, 4, 4, stage_kernel<16, 4, 4>},
+        {16, 8, 8, stage_kernel<16, 8, 8>}, {32, 1, 1, stage_kernel<32, 1, 1>}, {32, 2, 2, stage_kernel<32, 2, 2>},
+        {32, 4, 4, stage_kernel<32, 4, 4>}, {32, 8, 8, stage_kernel<32, 8, 8>}, {64, 1, 1, stage_kernel<64, 1, 1>},
+        {64, 2, 2, stage_kernel<64, 2, 2>}, {64, 4, 4, stage_kernel<64, 4, 4>}, {64, 8, 8, stage_kernel<64, 8, 8>},
+        // Fewer warps across the tiles at 64 rows: each activation fragment read by 4 or 2 warps a chunk
+        // instead of 8, each weight fragment by 2 or 4.
+        {64, 8, 4, stage_kernel<64, 8, 4>}, {64, 8, 2, stage_kernel<64, 8, 2>}, {64, 4, 2, stage_kernel<64, 4, 2>},
     };
     for (const auto& e : table)
-        if (e.m == m && e.t == t) return e.k;
+        if (e.m == m && e.t == t && e.wt == wt) return e.k;
     return nullptr;
 }
 
@@ -286,9 +307,14 @@ int main() {
     for (int m : {16, 32, 64}) {
         configs.push_back({"gate/up", 16384, 2048, m, 8, 1, 256});
         configs.push_back({"gate/up", 16384, 2048, m, 8, 1, 128});
+        if (m == 64) {
+            configs.push_back({"gate/up", 16384, 2048, m, 8, 1, 128, 4});
+            configs.push_back({"gate/up", 16384, 2048, m, 8, 1, 128, 2});
+        }
         configs.push_back({"down", 2048, 8192, m, 1, 1, 512});
         configs.push_back({"down", 2048, 8192, m, 2, 2, 256});
         configs.push_back({"down", 2048, 8192, m, 4, 4, 256});
+        if (m == 64) configs.push_back({"down", 2048, 8192, m, 4, 4, 256, 2});
         configs.push_back({"down", 2048, 8192, m, 8, 8, 256});
         configs.push_back({"qkv", 3072, 2048, m, 1, 1, 512});
         configs.push_back({"qkv", 3072, 2048, m, 2, 1, 256});
@@ -302,8 +328,8 @@ int main() {
     }
     unsigned long long base = 0;
     int failures = 0;
-    printf("| stage | rows | tiles/CTA | K split | chunk cols | groups | ring slots x KB | us median | P90 | weight TB/s | %% of read bw | floor us | activation MB from L2 | check |\n");
-    printf("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|\n");
+    printf("| stage | rows | tiles/CTA | warps across tiles | K split | chunk cols | groups | ring slots x KB | us median | P90 | weight TB/s | %% of read bw | floor us | activation MB from L2 | check |\n");
+    printf("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|\n");
     for (const Config& c : configs) {
         const int tiles = c.n / 16, groups = tiles / c.t * c.splits;
         const size_t slot_bytes = (size_t)c.t * 16 * c.kc * 2;
@@ -311,10 +337,11 @@ int main() {
         const size_t budget = prop.sharedMemPerBlockOptin - 2 * MAX_SLOTS * 8 - 1024;
         const int slots = xs_bytes >= budget ? 0 : (int)std::min<size_t>(MAX_SLOTS, (budget - xs_bytes) / slot_bytes);
         const size_t smem = slots * slot_bytes + xs_bytes;
-        Kernel kern = kernel_for(c.m, c.t);
+        const int wt = c.wt ? c.wt : std::min(c.t, 8);
+        Kernel kern = kernel_for(c.m, c.t, wt);
         if (slots < 2 || !kern || tiles % c.t || (c.k / c.splits) % c.kc || c.kc % 32) {
-            printf("| %s | %d | %d | %d | %d | %d | - | not runnable (%d slots) |\n", c.stage, c.m, c.t, c.splits, c.kc,
-                   groups, slots);
+            printf("| %s | %d | %d | %d | %d | %d | %d | - | not runnable (%d slots) |\n", c.stage, c.m, c.t, wt, c.splits,
+                   c.kc, groups, slots);
             continue;
         }
         CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
@@ -353,11 +380,12 @@ int main() {
             worst = std::max(worst, std::fabs(sum - rf[j]));
             scale = std::max(scale, (double)std::fabs(rf[j]));
         }
-        // fp32 sums of K products of values in [-1, 1) in two orders: ~1e-6 relative to the largest.
+        // fp32 sums of K products of values in [-1, 1) in two orders differ by rounding, far below 1e-4 of
+        // the largest output; a wrong fragment or index mapping is off by the outputs' own size.
         const bool ok = worst <= 1e-4 * std::max(scale, 1.0);
         failures += !ok;
-        printf("| %s | %d | %d | %d | %d | %d | %d x %zu | %.2f | %.2f | %.2f | %.0f%% | %.2f | %.1f | %s (%.1e of %.1f) |\n",
-               c.stage, c.m, c.t, c.splits, c.kc, groups, slots, slot_bytes / 1024, med, p90, wbytes / (med * 1e-6) / 1e12,
+        printf("| %s | %d | %d | %d | %d | %d | %d | %d x %zu | %.2f | %.2f | %.2f | %.0f%% | %.2f | %.1f | %s (%.1e of %.1f) |\n",
+               c.stage, c.m, c.t, wt, c.splits, c.kc, groups, slots, slot_bytes / 1024, med, p90, wbytes / (med * 1e-6) / 1e12,
                100.0 * wbytes / (med * 1e-6) / 1e12 / read_tbs, wbytes / (read_tbs * 1e12) * 1e6,
                (double)groups * c.m * (c.k / c.splits) * 2 / 1e6, ok ? "ok" : "MISMATCH", worst, scale);
     }
