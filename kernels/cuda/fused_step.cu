@@ -2440,7 +2440,7 @@ __device__ __forceinline__ void fv2_forward_body(const FusedParams* __restrict__
             // (i / FV2_PARTS) % stages, its barrier's phase parity (i / FV2_PARTS / stages) & 1. Its barrier
             // is not re-armed before copy i + FV2_PARTS stages, and the cap keeps the copy waited for
             // within that distance of the one issued.
-            // The launch's flags may set both caps (FUSED_INFLIGHT_SHIFT); FV2_PARTS stages bounds them.
+            // The launch's flags may set both caps (FUSED_INFLIGHT_SHIFT); FV2_PARTS x stages bounds them.
             const int cap_set = (flags >> FUSED_INFLIGHT_SHIFT) & 15;
             const int cap_l2_set = (flags >> FUSED_L2_INFLIGHT_SHIFT) & 15;
             const unsigned int cap = (unsigned)min(cap_set ? cap_set : FV2_MAX_INFLIGHT, FV2_PARTS * stages);
