@@ -235,18 +235,7 @@ int main(int argc, char** argv) {
     printf("GPU %s, %d SMs; one CTA per SM in every burst test\n", prop.name, sms);
 
     // The read floor: the whole buffer, median of 5.
-    std::vector<float> ms;
-    for (int r = 0; r < 6; ++r) {
-        CHECK(cudaEventRecord(e0));
-        read_all<<<sms * 8, 512>>>(reinterpret_cast<const uint4*>(w), buf_bytes / 16, out);
-        CHECK(cudaEventRecord(e1));
-        CHECK(cudaEventSynchronize(e1));
-        float m;
-        CHECK(cudaEventElapsedTime(&m, e0, e1));
-        if (r > 0) ms.push_back(m);
-    }
-    std::sort(ms.begin(), ms.end());
-    const double read_gbs = buf_bytes / (ms[ms.size() / 2] * 1e6);
+    const double read_gbs = buf_bytes / (median_read_ms(w, buf_bytes, sms, out) * 1e6);
     printf("plain read bandwidth (whole %zu MB buffer, median of 5): %.0f GB/s = %.1f KB/us per SM\n\n",
            buf_bytes >> 20, read_gbs, read_gbs / sms);
 

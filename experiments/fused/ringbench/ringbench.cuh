@@ -4,8 +4,10 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 #define CHECK(x)                                                                                  \
     do {                                                                                          \
@@ -88,4 +90,26 @@ __global__ void read_all(const uint4* w, size_t n, unsigned* out) {
         acc ^= v.x ^ v.y ^ v.z ^ v.w;
     }
     if (acc == 0x12345678u) out[0] = acc;
+}
+
+// The plain read floor: read_all over `bytes` of `buf` on `sms` x 8 CTAs, the median of 5 timed runs after
+// one warm-up, in milliseconds. `sink` is a device word read_all may write.
+static double median_read_ms(const void* buf, size_t bytes, int sms, unsigned* sink) {
+    cudaEvent_t e0, e1;
+    CHECK(cudaEventCreate(&e0));
+    CHECK(cudaEventCreate(&e1));
+    std::vector<float> ms;
+    for (int r = 0; r < 6; ++r) {
+        CHECK(cudaEventRecord(e0));
+        read_all<<<sms * 8, 512>>>(reinterpret_cast<const uint4*>(buf), bytes / 16, sink);
+        CHECK(cudaEventRecord(e1));
+        CHECK(cudaEventSynchronize(e1));
+        float m;
+        CHECK(cudaEventElapsedTime(&m, e0, e1));
+        if (r > 0) ms.push_back(m);
+    }
+    CHECK(cudaEventDestroy(e0));
+    CHECK(cudaEventDestroy(e1));
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2];
 }

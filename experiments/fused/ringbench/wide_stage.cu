@@ -286,18 +286,7 @@ int main() {
     CHECK(cudaEventCreate(&e0));
     CHECK(cudaEventCreate(&e1));
     // The floor: the plain read rate over the weight buffer, median of 5 (after one warm-up).
-    std::vector<float> rd;
-    for (int r = 0; r < 6; ++r) {
-        CHECK(cudaEventRecord(e0));
-        read_all<<<sms * 8, 512>>>(reinterpret_cast<const uint4*>(w), max_w * 2 / 16, sink);
-        CHECK(cudaEventRecord(e1));
-        CHECK(cudaEventSynchronize(e1));
-        float ms;
-        CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        if (r > 0) rd.push_back(ms);
-    }
-    std::sort(rd.begin(), rd.end());
-    const double read_tbs = (double)max_w * 2 / (rd[rd.size() / 2] * 1e-3) / 1e12;
+    const double read_tbs = (double)max_w * 2 / (median_read_ms(w, max_w * 2, sms, sink) * 1e-3) / 1e12;
     printf("GPU %s, %d SMs, %zu KB opt-in shared memory per block; plain read bandwidth %.3f TB/s (%.0f MB read, median of 5)\n",
            prop.name, sms, prop.sharedMemPerBlockOptin / 1024, read_tbs, max_w * 2 / 1e6);
     printf("one CTA per SM (8 consumer warps + 1 producer warp); %d layers of the stage per launch on fresh weights, a grid barrier between layers; 10 timed launches after 2\n\n",
