@@ -7,7 +7,9 @@ Usage: experiments/fused/nvrtc_check.py [--resources] [--sass DIR] CANDIDATE.cu 
   --resources  ptxas's registers, stack and spills for the v2 kernels and their non-inlined functions
                (spills in the kernel cost attgrp's first build 2.5% at 1 x 1: NOTES v0.28)
   --sass DIR   also writes each candidate's SASS to DIR/NAME.sass (needs nvdisasm from the
-               nvidia-cuda-nvdisasm wheel: pip install "nvidia-cuda-nvdisasm>=13,<14")"""
+               nvidia-cuda-nvdisasm wheel: pip install "nvidia-cuda-nvdisasm>=13,<14")
+  --lineinfo   with --sass: compiles with line info and has nvdisasm print each instruction's source
+               line (the candidate's own line numbers), to tell which code a local-memory access is in"""
 import argparse, ctypes, glob, os, subprocess, sys
 import nvidia
 
@@ -19,6 +21,7 @@ def find(pattern):
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--resources", action="store_true")
 ap.add_argument("--sass")
+ap.add_argument("--lineinfo", action="store_true")
 ap.add_argument("sources", nargs="+")
 args = ap.parse_args()
 nv = ctypes.CDLL(find("libnvrtc.so*"))
@@ -29,13 +32,16 @@ root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 decoder = open(os.path.join(root, "kernels", "cuda", "decoder.cu")).read()
 status = 0
 for path in args.sources:
-    src = (decoder + "\n" + open(path).read()).encode()
+    # The #line directive keeps the candidate's own line numbers in --lineinfo's output.
+    src = (decoder + f'\n#line 1 "{os.path.basename(path)}"\n' + open(path).read()).encode()
     prog = ctypes.c_void_p()
     assert nv.nvrtcCreateProgram(ctypes.byref(prog), src, path.encode(), 0, None, None) == 0
     # The options kernels/src/cuda/mod.rs compile_uncached gives NVRTC (through cudarc's CompileOptions).
     opts = [b"--ftz=false", b"--prec-sqrt=true", b"--prec-div=true", b"--gpu-architecture=sm_90"]
     if args.resources:
         opts.append(b"--ptxas-options=-v")
+    if args.lineinfo:
+        opts.append(b"--generate-line-info")
     arr = (ctypes.c_char_p * len(opts))(*opts)
     rc = nv.nvrtcCompileProgram(prog, len(opts), arr)
     n = ctypes.c_size_t()
@@ -67,6 +73,7 @@ for path in args.sources:
         base = os.path.join(args.sass, os.path.basename(path).removesuffix(".cu"))
         open(base + ".cubin", "wb").write(cubin.raw)
         with open(base + ".sass", "w") as f:
-            subprocess.run([nvdisasm, base + ".cubin"], stdout=f, check=True)
+            subprocess.run([nvdisasm] + (["--print-line-info"] if args.lineinfo else []) + [base + ".cubin"],
+                           stdout=f, check=True)
         print(f"  SASS: {base}.sass")
 sys.exit(status)
