@@ -20,6 +20,8 @@ mkdir -p "$out"
 # settings (FusedOptions::copies_in_flight etc.), timed in one process by run_fused_h200.sh's `producer`;
 # capconst (session 35: the kernel before the producer settings came from the launch flags, i.e. the
 # caps and the prefetch interval as compile-time constants: an A/B of that change, whose SASS differs);
+# qkvrope (session 36: RoPE, q's scale and the KV append in the QKV stage's epilogue, its tiles taken in
+# RoPE-pair order; the attention item only copies its head vectors), dcrkq (dcrk + qkvrope);
 # candidates/README.md.
 list=(
   "dcomb dcomb"
@@ -31,6 +33,8 @@ list=(
   "dcrkh dcomb dcra kt64 hfreq"
   "p1 FV2_PARTS=1"
   "capconst capconst"
+  "qkvrope qkvrope"
+  "dcrkq dcomb dcra kt64 qkvrope"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that

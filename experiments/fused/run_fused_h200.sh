@@ -47,6 +47,10 @@
 # l2lat (experiments/fused/ringbench/l2_latency.cu, built there with nvcc: one dependent L2 load's latency
 # on each SM while the SMs stream weights as the fused step does, with the streaming and the loads on the
 # same SMs or on different ones; $OUT/l2_latency.txt).
+# fence (experiments/fused/ringbench/fence_cost.cu, built there with nvcc: what one counter hop's release
+# costs, thread 0's atom.add.release.gpu and the other publishing patterns, while the SMs stream weights as
+# the fused step does, the streaming and the releases on the same SMs or on different ones;
+# $OUT/fence_cost.txt).
 # wide (experiments/fused/ringbench/wide_stage.cu, built there with nvcc: one GEMM stage of 16, 32 or 64
 # rows alone, in several splits of tiles and K over the CTAs, against the plain read bandwidth, each checked
 # against a reference product; $OUT/wide_stage.txt).
@@ -208,6 +212,12 @@ if has l2lat; then
   { header; "$nvcc_bin" -O3 -std=c++17 -arch=sm_90 -o /tmp/l2_latency "$(dirname "$0")/ringbench/l2_latency.cu" &&
     timeout 120 /tmp/l2_latency; echo "exit $?"; } 2>&1 | tee "$out/l2_latency.txt"
   grep -q "^exit 0$" "$out/l2_latency.txt" || status=1
+fi
+if has fence; then
+  nvcc_bin=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+  { header; "$nvcc_bin" -O3 -std=c++17 -arch=sm_90 -o /tmp/fence_cost "$(dirname "$0")/ringbench/fence_cost.cu" &&
+    timeout 120 /tmp/fence_cost; echo "exit $?"; } 2>&1 | tee "$out/fence_cost.txt"
+  grep -q "^exit 0$" "$out/fence_cost.txt" || status=1
 fi
 if has wide; then
   nvcc_bin=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
