@@ -114,6 +114,11 @@ struct FusedParams {
     unsigned int* attn_counters;
     unsigned int* barrier;
     unsigned long long* prof;  // FUSED_PROF_SLOTS counters per CTA, written when FUSED_PROFILE is set
+    // v2 only, for kernels that hand a norm stage its rows from the residual's writers: a row's
+    // bf16(norm weight * x) [FV2_MAX_ROWS, hidden] and its sums of squares per 16-column tile
+    // [FV2_MAX_ROWS, hidden / 16]. Unused by this kernel (experiments/fused/candidates/xnorm.patch).
+    unsigned short* xn16;
+    float* ss_parts;
     int n_layers;
     int hidden;
     int n_heads;
@@ -131,7 +136,7 @@ struct FusedParams {
     float eps;
     float scale;
 };
-static_assert(sizeof(FusedParams) == 20 * 8 + 16 * 4, "FusedParams must match gpu_fused.rs PARAMS_WORDS");
+static_assert(sizeof(FusedParams) == 22 * 8 + 16 * 4, "FusedParams must match gpu_fused.rs PARAMS_WORDS");
 
 // Launch flags. Timing only (gpu_fused.rs FusedMode): skip all work and prefetches, keep the barriers
 // (their cost alone); skip attention (its cost by difference). FUSED_WHOLE_ROW_ATTENTION: phase D runs

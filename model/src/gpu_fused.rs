@@ -64,7 +64,7 @@ const MIN_RING_STAGES: u32 = 2;
 const THREADS: u32 = 256;
 /// Words (8 bytes) of fused_step.cu's `FusedLayer` and `FusedParams` (static_asserts there).
 const LAYER_WORDS: usize = 12;
-const PARAMS_WORDS: usize = 28;
+const PARAMS_WORDS: usize = 30;
 /// fused_step.cu FUSED_PROF_SLOTS: profile counters per CTA.
 pub const PROF_SLOTS: usize = 32;
 
@@ -681,6 +681,9 @@ struct DataflowStep {
     _counters: CudaSlice<u64>,
     _partials: CudaSlice<f32>,
     _attn_counters: CudaSlice<u32>,
+    /// `FusedParams::xn16` and `ss_parts` (see FusedParamsHost).
+    _xn16: CudaSlice<u16>,
+    _ss_parts: CudaSlice<f32>,
     /// Dynamic shared memory of every v2 launch: the per-block maximum less the static part.
     smem: usize,
     grid: u32,
@@ -881,7 +884,7 @@ impl FusedState {
     }
 }
 
-/// Host image of fused_step.cu's `FusedParams`: 20 device addresses, then 12 ints and 2 floats of 4
+/// Host image of fused_step.cu's `FusedParams`: 22 device addresses, then 14 ints and 2 floats of 4
 /// bytes, packed two per word (little-endian: the first in the low half), in the struct's order.
 #[derive(Debug, Clone, Default, PartialEq)]
 struct FusedParamsHost {
@@ -905,6 +908,11 @@ struct FusedParamsHost {
     attn_counters: u64,
     barrier: u64,
     prof: u64,
+    /// v2 only: a norm stage's rows as bf16(norm weight * x), [DATAFLOW_MAX_ROWS, hidden], and their
+    /// sums of squares per 16-column tile, [DATAFLOW_MAX_ROWS, hidden / 16], for kernels whose residual
+    /// writers hand them over (experiments/fused/candidates/xnorm.patch; the shipped kernel ignores both).
+    xn16: u64,
+    ss_parts: u64,
     n_layers: i32,
     hidden: i32,
     n_heads: i32,
@@ -949,6 +957,8 @@ impl FusedParamsHost {
             self.attn_counters,
             self.barrier,
             self.prof,
+            self.xn16,
+            self.ss_parts,
         ];
         let small: [u32; 16] = [
             self.n_layers as u32,
@@ -1195,6 +1205,9 @@ impl FusedStep {
             attn_counters: addr(&t.buf.attn_counters, &s),
             barrier: addr(&barrier, &s),
             prof: addr(&prof, &s),
+            // v1 does not read them; v2 points them at its own buffers (DataflowStep::configure).
+            xn16: 0,
+            ss_parts: 0,
             n_layers: c.num_layers as i32,
             hidden: c.hidden_size as i32,
             n_heads: c.num_heads as i32,
@@ -1317,10 +1330,18 @@ impl DataflowStep {
         let attn_counters = s
             .alloc_zeros::<u32>(DATAFLOW_MAX_ROWS * c.num_kv_heads)
             .map_err(gpu)?;
+        let xn16 = s
+            .alloc_zeros::<u16>(DATAFLOW_MAX_ROWS * c.hidden_size)
+            .map_err(gpu)?;
+        let ss_parts = s
+            .alloc_zeros::<f32>(DATAFLOW_MAX_ROWS * c.hidden_size.div_ceil(16))
+            .map_err(gpu)?;
         let p = FusedParamsHost {
             attn_partials: addr(&partials, &s),
             attn_counters: addr(&attn_counters, &s),
             barrier: addr(&counters, &s),
+            xn16: addr(&xn16, &s),
+            ss_parts: addr(&ss_parts, &s),
             // Unused by v2 (its layout is a launch argument, v2_plan).
             ring_stages: 0,
             ring_offset: 0,
@@ -1336,6 +1357,8 @@ impl DataflowStep {
             _counters: counters,
             _partials: partials,
             _attn_counters: attn_counters,
+            _xn16: xn16,
+            _ss_parts: ss_parts,
             smem,
             grid,
             max_rows: opts.dataflow_max_rows.min(DATAFLOW_MAX_ROWS),
@@ -2184,6 +2207,8 @@ mod tests {
             layers: 0x1000,
             barrier: 0x2000,
             prof: 0x3000,
+            xn16: 0x4000,
+            ss_parts: 0x5000,
             n_layers: 16,
             hidden: 2048,
             ring_stages: 12,
@@ -2196,21 +2221,23 @@ mod tests {
             ..Default::default()
         };
         let w = p.words();
-        // 20 pointers + 16 four-byte fields = 224 bytes (static_assert in fused_step.cu).
+        // 22 pointers + 16 four-byte fields = 240 bytes (static_assert in fused_step.cu).
         assert_eq!(w.len(), PARAMS_WORDS);
         assert_eq!(w[0], 0x1000);
         assert_eq!(w[18], 0x2000);
         assert_eq!(w[19], 0x3000);
-        // n_layers then hidden share word 20, the first in the low half.
-        assert_eq!(w[20], 16 | (2048u64 << 32));
-        // block_size (9th int) and ring_stages (10th) share word 24, ring_offset and xs_bytes word
-        // 25.
-        assert_eq!(w[24] >> 32, 12);
-        assert_eq!(w[25], 32768 | (4096u64 << 32));
-        // chunk_k and max_rows share word 26; eps and scale word 27.
-        assert_eq!(w[26], 2048 | (512u64 << 32));
+        assert_eq!(w[20], 0x4000);
+        assert_eq!(w[21], 0x5000);
+        // n_layers then hidden share word 22, the first in the low half.
+        assert_eq!(w[22], 16 | (2048u64 << 32));
+        // block_size (9th int) and ring_stages (10th) share word 26, ring_offset and xs_bytes word
+        // 27.
+        assert_eq!(w[26] >> 32, 12);
+        assert_eq!(w[27], 32768 | (4096u64 << 32));
+        // chunk_k and max_rows share word 28; eps and scale word 29.
+        assert_eq!(w[28], 2048 | (512u64 << 32));
         assert_eq!(
-            w[27],
+            w[29],
             u64::from(1e-5f32.to_bits()) | (u64::from(0.125f32.to_bits()) << 32)
         );
         assert_eq!(FusedMode::Full.flags(), 0);
