@@ -21,7 +21,10 @@ mkdir -p "$out"
 # capconst (session 35: the kernel before the producer settings came from the launch flags, i.e. the
 # caps and the prefetch interval as compile-time constants: an A/B of that change, whose SASS differs);
 # qkvrope (session 36: RoPE, q's scale and the KV append in the QKV stage's epilogue, its tiles taken in
-# RoPE-pair order; the attention item only copies its head vectors), dcrkq (dcrk + qkvrope);
+# RoPE-pair order; the attention item only copies its head vectors), dcrkq (dcrk + qkvrope); xnorm (the
+# norm stages after layer 0 staged from bf16(norm weight * x) rows and tile sums of squares that the O and
+# down epilogues write, 1 / rms applied in the epilogue), xq (xnorm + qkvrope: xq.patch after xnorm.patch),
+# xdcrkq (xq + dcomb + dcra + kt64);
 # candidates/README.md.
 list=(
   "dcomb dcomb"
@@ -35,6 +38,9 @@ list=(
   "capconst capconst"
   "qkvrope qkvrope"
   "dcrkq dcomb dcra kt64 qkvrope"
+  "xnorm xnorm"
+  "xq xnorm xq"
+  "xdcrkq xnorm xq dcomb dcra kt64"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
