@@ -31,7 +31,7 @@
 # AB_ONLY and AB_CHECK; each shape timed with the shipped kernel and every candidate in turn; the
 # checks first; $OUT/abx/bench_abx.txt, check_NAME.txt and summary.txt).
 # producer (`gpu_fused_check --bench --short --v2-producer $PRODUCER`, default
-# "2,3,4,2::2000,:::4,2:::4,::::8,2::::8": v2 with other producer settings, IN[:L2[:PACE[:LEAD[:ROWS]]]]
+# "2,3,4,2::2000,:::4,2:::4,::::8,2::::8,:::4:16,2:::4:16": v2 with other producer settings, IN[:L2[:PACE[:LEAD[:ROWS]]]]
 # each (FusedOptions::copies_in_flight, l2_copies_in_flight, l2_prefetch_interval, l2_prefetch_lead,
 # l2_prefetch_max_rows; an empty field keeps the kernel's default), timed beside the default v2 step at
 # every shape in one process, no recompiles; the bench fails if any setting's logits differ from the
@@ -149,7 +149,7 @@ PY
   cat "$out/ab/summary.txt"
 fi
 if has producer; then
-  { header; timeout 400 "$bin/gpu_fused_check" --bench --short --v2-producer "${PRODUCER:-2,3,4,2::2000,:::4,2:::4,::::8,2::::8}" ${extra[@]+"${extra[@]}"}; echo "exit $?"; } > "$out/producer.txt" 2>&1
+  { header; timeout 400 "$bin/gpu_fused_check" --bench --short --v2-producer "${PRODUCER:-2,3,4,2::2000,:::4,2:::4,::::8,2::::8,:::4:16,2:::4:16}" ${extra[@]+"${extra[@]}"}; echo "exit $?"; } > "$out/producer.txt" 2>&1
   grep -q "^exit 0$" "$out/producer.txt" || status=1
   # The summary table (the bench's last table) and the verdict on the logits.
   sed -n '/^llama3.2-1b, /,$p' "$out/producer.txt"

@@ -2311,6 +2311,9 @@ mod tests {
         assert_eq!(ProducerSettings::of(&s.apply(d)), s);
         let s = ProducerSettings::parse("::::8").unwrap();
         assert_eq!(s.apply(d).producer_flags(), Ok(8 << 24));
+        // run_fused_h200.sh's `producer` list: a lead of 4 chunks in every v2 step (the field is lead + 1).
+        let s = ProducerSettings::parse("2:::4:16").unwrap();
+        assert_eq!(s.apply(d).producer_flags(), Ok(2 << 8 | 5 << 20 | 16 << 24));
         assert_eq!(ProducerSettings::of(&d).describe(), "the kernel's defaults");
         for bad in [
             "",
