@@ -24,7 +24,7 @@ mkdir -p "$out"
 # RoPE-pair order; the attention item only copies its head vectors), dcrkq (dcrk + qkvrope); xnorm (the
 # norm stages after layer 0 staged from bf16(norm weight * x) rows and tile sums of squares that the O and
 # down epilogues write, 1 / rms applied in the epilogue), xq (xnorm + qkvrope: xq.patch after xnorm.patch),
-# xdcrkq (xq + dcomb + dcra + kt64);
+# xdcrkq (xq + dcomb + dcra + kt64); poll4 / poll2 (a stage counter polled by 4 or 2 staggered lanes);
 # candidates/README.md.
 list=(
   "dcomb dcomb"
@@ -41,6 +41,8 @@ list=(
   "xnorm xnorm"
   "xq xnorm xq"
   "xdcrkq xnorm xq dcomb dcra kt64"
+  "poll4 poll4"
+  "poll2 poll4 FV2_POLLERS=2"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
