@@ -25,6 +25,9 @@ mkdir -p "$out"
 # norm stages after layer 0 staged from bf16(norm weight * x) rows and tile sums of squares that the O and
 # down epilogues write, 1 / rms applied in the epilogue), xq (xnorm + qkvrope: xq.patch after xnorm.patch),
 # xdcrkq (xq + dcomb + dcra + kt64); poll4 / poll2 (a stage counter polled by 4 or 2 staggered lanes);
+# rot (each CTA's cp.async staging starts at its own line of the rows: O and down, and with xnorm every
+# norm stage but layer 0's), xrot (xnorm + rot: xrot.patch after xnorm.patch), xqrot (xq + rot), xdcrkqr
+# (xdcrkq + rot);
 # candidates/README.md.
 list=(
   "dcomb dcomb"
@@ -43,6 +46,10 @@ list=(
   "xdcrkq xnorm xq dcomb dcra kt64"
   "poll4 poll4"
   "poll2 poll4 FV2_POLLERS=2"
+  "rot rot"
+  "xrot xnorm xrot"
+  "xqrot xnorm xq xrot"
+  "xdcrkqr xnorm xq dcomb dcra kt64 xrot"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
