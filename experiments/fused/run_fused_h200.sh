@@ -54,6 +54,9 @@
 # wide (experiments/fused/ringbench/wide_stage.cu, built there with nvcc: one GEMM stage of 16, 32 or 64
 # rows alone, in several splits of tiles and K over the CTAs, against the plain read bandwidth, each checked
 # against a reference product; $OUT/wide_stage.txt).
+# STEP_ARGS (e.g. "--fused-producer 2") goes to step's and shapes' `bench step` calls; with
+# SPECULA_FUSED_STEP_CU naming a candidate under .carry/pack/candidates, step runs the issue's table with
+# that kernel and setting without a new pack (the report names both).
 # step/shapes/e2e results go into $OUT/bench.tgz (the device tool returns at most 8 files). Extra
 # arguments after the parts go to every gpu_fused_check call (e.g. --no-cooperative).
 set -uo pipefail
@@ -234,11 +237,11 @@ if has engine; then
   grep -q "^exit 0$" "$out/gpu_e2e_check_h200.txt" || status=1
 fi
 if has step; then
-  timeout 300 "$bin/specula" bench step --random-weights llama3.2-1b --backends standard,latency_specialized --out "$res" 2>&1 | tee "$res/step_llama3.2-1b.txt" | tail -14 || status=1; pack
+  timeout 300 "$bin/specula" bench step --random-weights llama3.2-1b --backends standard,latency_specialized --out "$res" ${STEP_ARGS:-} 2>&1 | tee "$res/step_llama3.2-1b.txt" | tail -14 || status=1; pack
 fi
 if has shapes; then
-  timeout 200 "$bin/specula" bench step --random-weights qwen2.5-coder-1.5b --backends standard,latency_specialized --out "$res" 2>&1 | tee "$res/step_qwen.txt" | tail -14 || status=1; pack
-  timeout 300 "$bin/specula" bench step --random-weights llama3.1-8b --backends standard,latency_specialized --steps 32 --out "$res" 2>&1 | tee "$res/step_l8.txt" | tail -14 || status=1; pack
+  timeout 200 "$bin/specula" bench step --random-weights qwen2.5-coder-1.5b --backends standard,latency_specialized --out "$res" ${STEP_ARGS:-} 2>&1 | tee "$res/step_qwen.txt" | tail -14 || status=1; pack
+  timeout 300 "$bin/specula" bench step --random-weights llama3.1-8b --backends standard,latency_specialized --steps 32 --out "$res" ${STEP_ARGS:-} 2>&1 | tee "$res/step_l8.txt" | tail -14 || status=1; pack
 fi
 if has rows16; then
   # v1 against v2 at 16 rows (2 requests x 8 tokens), in the same harness: v2's row limit
