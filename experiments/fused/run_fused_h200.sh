@@ -51,6 +51,10 @@
 # costs, thread 0's atom.add.release.gpu and the other publishing patterns, while the SMs stream weights as
 # the fused step does, the streaming and the releases on the same SMs or on different ones;
 # $OUT/fence_cost.txt).
+# share (experiments/fused/ringbench/stage_share.cu, built there with nvcc for sm_90a: one activation
+# staging of 1, 8 or 16 rows by every CTA at once after a grid barrier, with and without the weight stream,
+# in the shipped order, rotated (candidate rot), as bulk copies, and multicast within clusters of 2 and 4;
+# $OUT/stage_share.txt).
 # wide (experiments/fused/ringbench/wide_stage.cu, built there with nvcc: one GEMM stage of 16, 32 or 64
 # rows alone, in several splits of tiles and K over the CTAs, against the plain read bandwidth, each checked
 # against a reference product; $OUT/wide_stage.txt).
@@ -221,6 +225,13 @@ if has fence; then
   { header; "$nvcc_bin" -O3 -std=c++17 -arch=sm_90 -o /tmp/fence_cost "$(dirname "$0")/ringbench/fence_cost.cu" &&
     timeout 120 /tmp/fence_cost; echo "exit $?"; } 2>&1 | tee "$out/fence_cost.txt"
   grep -q "^exit 0$" "$out/fence_cost.txt" || status=1
+fi
+if has share; then
+  nvcc_bin=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+  { header; "$nvcc_bin" -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/stage_share \
+      "$(dirname "$0")/ringbench/stage_share.cu" && timeout 120 /tmp/stage_share; echo "exit $?"; } 2>&1 |
+    tee "$out/stage_share.txt"
+  grep -q "^exit 0$" "$out/stage_share.txt" || status=1
 fi
 if has wide; then
   nvcc_bin=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
