@@ -78,22 +78,10 @@ fence_probe(const unsigned char* w, size_t region_bytes, int part, int stream_ma
     unsigned long long* o = out + (size_t)blockIdx.x * 8;
     if (warp == CONSUMERS / 32) {
         if (lane != 0 || !streams) return;
-        // As l2_latency's producer: one copy in flight through two slots, wrapping within the CTA's region
-        // (evict-first, so the lines are gone from L2 when they come round), until every measurer is done.
-        const unsigned char* base = w + (size_t)blockIdx.x * region_bytes;
-        const size_t parts = region_bytes / (size_t)part;
-        unsigned long long bytes = 0;
+        // Until every measurer is done.
         const unsigned long long t0 = now_ns();
-        for (size_t i = 0;; ++i) {
-            const int s = (int)(i & 1);
-            mbar_expect(&full[s], (unsigned)part);
-            bulk_copy_evict_first(ring + (size_t)s * part, base + (i % parts) * part, (unsigned)part, &full[s]);
-            const unsigned long long finished = *(volatile unsigned long long*)done_ctr;
-            mbar_wait(&full[s], (unsigned)(i >> 1) & 1u);
-            bytes += (unsigned)part;
-            if (finished >= measurers) break;
-        }
-        o[0] = bytes;
+        o[0] = stream_region(w + (size_t)blockIdx.x * region_bytes, region_bytes, (unsigned)part, ring, full,
+                             [&] { return *(volatile unsigned long long*)done_ctr >= measurers; });
         o[1] = now_ns() - t0;
         return;
     }
@@ -143,19 +131,15 @@ struct Mode {
 };
 
 int main() {
-    int dev = 0, sms = 0;
-    CHECK(cudaSetDevice(dev));
-    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     cudaDeviceProp prop;
-    CHECK(cudaGetDeviceProperties(&prop, dev));
+    const int sms = open_device(&prop);
     const size_t region = 24ull << 20;  // per CTA: 24 MB of weights, ~3 GB over 132 SMs (no L2 reuse)
     const int iters = 2000;
     unsigned char* w;
     float* lines;
     unsigned long long *out, *done_ctr, *ctrs;
     CHECK(cudaMalloc(&done_ctr, 8));
-    CHECK(cudaMalloc(&w, region * sms));
-    CHECK(cudaMemset(w, 1, region * sms));
+    w = weight_regions(sms, region);
     CHECK(cudaMalloc(&lines, (size_t)sms * 64 * CONSUMERS * 4));
     CHECK(cudaMemset(lines, 0, (size_t)sms * 64 * CONSUMERS * 4));
     CHECK(cudaMalloc(&ctrs, (size_t)sms * 16 * 8));

@@ -53,25 +53,10 @@ __global__ void probe(const unsigned char* w, size_t region_bytes, int part, con
     __syncthreads();
     unsigned long long* o = out + (size_t)blockIdx.x * 4;
     if (warp == 0 && lane == 0 && streams) {
-        // Copies one after another (one in flight), through the two slots, over the CTA's own region, while
-        // any chaser still runs (the stream must cover every measurement), wrapping within the region
-        // (evict-first, so the lines are gone from L2 by the time they come round).
-        const unsigned char* base = w + (size_t)blockIdx.x * region_bytes;
-        const size_t parts = region_bytes / (size_t)part;
-        unsigned long long bytes = 0;
+        // The stream runs while any chaser still runs: it must cover every measurement.
         const unsigned long long t0 = now_ns();
-        for (size_t i = 0;; ++i) {
-            const int s = (int)(i & 1);
-            mbar_expect(&full[s], (unsigned)part);
-            bulk_copy_evict_first(ring + (size_t)s * part, base + (i % parts) * part, (unsigned)part, &full[s]);
-            // The counter's load flies with the copy (its value is used only after the copy has landed),
-            // so polling it does not slow the stream.
-            const unsigned long long finished = *(volatile unsigned long long*)done_ctr;
-            mbar_wait(&full[s], (unsigned)(i >> 1) & 1u);
-            bytes += (unsigned)part;
-            if (finished >= chasers) break;
-        }
-        o[0] = bytes;
+        o[0] = stream_region(w + (size_t)blockIdx.x * region_bytes, region_bytes, (unsigned)part, ring, full,
+                             [&] { return *(volatile unsigned long long*)done_ctr >= chasers; });
         o[1] = now_ns() - t0;
     } else if (warp == 1 && lane == 0 && chases) {
         const unsigned* c = chain + (size_t)blockIdx.x * chain_words;
@@ -94,11 +79,8 @@ struct Mode {
 };
 
 int main() {
-    int dev = 0, sms = 0;
-    CHECK(cudaSetDevice(dev));
-    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     cudaDeviceProp prop;
-    CHECK(cudaGetDeviceProperties(&prop, dev));
+    const int sms = open_device(&prop);
     const size_t region = 24ull << 20;  // per CTA: 24 MB of weights, ~3 GB over 132 SMs (no L2 reuse)
     const int chain_words = 32 * 256;   // per CTA: 256 lines of 128 bytes (32 KB; 4.2 MB over 132 SMs)
     const int loads = 4000;
@@ -106,8 +88,7 @@ int main() {
     unsigned* chain;
     unsigned long long *out, *done_ctr;
     CHECK(cudaMalloc(&done_ctr, 8));
-    CHECK(cudaMalloc(&w, region * sms));
-    CHECK(cudaMemset(w, 1, region * sms));
+    w = weight_regions(sms, region);
     CHECK(cudaMalloc(&chain, (size_t)chain_words * sms * 4));
     CHECK(cudaMalloc(&out, (size_t)sms * 4 * 8));
     // Each CTA's chain: a random cycle over its 256 lines (word 0 of each line points to the next line's

@@ -60,6 +60,45 @@ __device__ __forceinline__ void bulk_copy_evict_first(void* dst, const void* src
         : "memory");
 }
 
+// The fused step's weight stream, from one CTA's own region (`region_bytes` at `base`): bulk copies of `part`
+// bytes through two slots of `ring` (full barriers `full[2]`, initialised with one arrival each), one in
+// flight, tagged L2 evict-first, wrapping within the region (evict-first, so its lines are gone from L2
+// when they come round), until `stop()` is true. `stop` is read while each copy flies (its value is used
+// only after the copy has landed, so polling does not slow the stream), and every copy is waited for
+// before returning. Returns the bytes copied. One thread calls it.
+template <class Stop>
+__device__ unsigned long long stream_region(const unsigned char* base, size_t region_bytes, unsigned part,
+                                           unsigned char* ring, unsigned long long* full, Stop stop) {
+    const size_t parts = region_bytes / part;
+    unsigned long long bytes = 0;
+    for (size_t i = 0;; ++i) {
+        const int s = (int)(i & 1);
+        mbar_expect(&full[s], part);
+        bulk_copy_evict_first(ring + (size_t)s * part, base + (i % parts) * part, part, &full[s]);
+        const bool done = stop();
+        mbar_wait(&full[s], (unsigned)(i >> 1) & 1u);
+        bytes += part;
+        if (done) return bytes;
+    }
+}
+
+// The device's SM count and properties (device 0, made current).
+static int open_device(cudaDeviceProp* prop) {
+    int sms = 0;
+    CHECK(cudaSetDevice(0));
+    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    CHECK(cudaGetDeviceProperties(prop, 0));
+    return sms;
+}
+// `ctas` weight regions of `region` bytes each for stream_region, filled so that the copies read real
+// lines (24 MB a CTA is ~3 GB over 132 SMs: nothing is left in L2 from one lap to the next).
+static unsigned char* weight_regions(int ctas, size_t region) {
+    unsigned char* w;
+    CHECK(cudaMalloc(&w, region * ctas));
+    CHECK(cudaMemset(w, 1, region * ctas));
+    return w;
+}
+
 // Thread 0 sets up each slot's full and empty barriers (one arrival each); then the whole CTA syncs.
 __device__ inline void init_ring(unsigned long long* full, unsigned long long* empty, int slots) {
     if (threadIdx.x == 0) {

@@ -105,16 +105,10 @@ __global__ void __launch_bounds__(THREADS, 1) share_kernel(Args a) {
     // Every CTA of a cluster has its barrier initialised before any multicast reaches it.
     if (a.mode == MCAST) cluster_sync();
     if (warp == CONSUMERS / 32) {
-        // Each copy is waited for before `stop` is read again, so none is in flight when the CTA leaves.
+        // Until the consumers are done; no copy is in flight when the CTA leaves.
         if (lane == 0 && a.stream) {
-            const unsigned char* base = a.w + (size_t)blockIdx.x * a.region_bytes;
-            const size_t part = 32 << 10, parts = a.region_bytes / part;
-            for (size_t i = 0; !stop; ++i) {
-                const int s = (int)(i & 1);
-                mbar_expect(&full[s], (unsigned)part);
-                bulk_copy_evict_first(ring + (size_t)s * part, base + (i % parts) * part, (unsigned)part, &full[s]);
-                mbar_wait(&full[s], (unsigned)(i >> 1) & 1u);
-            }
+            stream_region(a.w + (size_t)blockIdx.x * a.region_bytes, a.region_bytes, 32u << 10, ring, full,
+                          [&] { return stop != 0; });
         }
         __syncwarp();
     } else {
@@ -181,16 +175,12 @@ __device__ void consume(const Args& a, unsigned char* xs, unsigned long long* xb
 }
 
 int main() {
-    int dev = 0, sms = 0;
-    CHECK(cudaSetDevice(dev));
-    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     cudaDeviceProp prop;
-    CHECK(cudaGetDeviceProperties(&prop, dev));
+    const int sms = open_device(&prop);
     const size_t region = 24ull << 20;  // per CTA: 24 MB of weights (~3 GB over 132 SMs: no L2 reuse)
     unsigned char *w, *rows;
     unsigned long long *ctr, *out;
-    CHECK(cudaMalloc(&w, region * sms));
-    CHECK(cudaMemset(w, 1, region * sms));
+    w = weight_regions(sms, region);
     CHECK(cudaMalloc(&rows, MAX_ROWS * ROW_BYTES));
     CHECK(cudaMemset(rows, 2, MAX_ROWS * ROW_BYTES));
     CHECK(cudaMalloc(&ctr, 8));
