@@ -29,7 +29,8 @@ use cudarc::driver::{
     sys, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
 };
 use specula_kernels::cuda::{
-    co_resident_grid, launch, launch_with, KernelArg, LaunchOptions, FUSED_PROFILING_SOURCE,
+    co_resident_cluster_grid, co_resident_grid, launch, launch_with, required_cluster_width,
+    KernelArg, LaunchOptions, FUSED_PROFILING_SOURCE,
 };
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -638,6 +639,9 @@ pub struct FusedInfo {
     pub chunk_k: u32,
     /// v2's dynamic shared memory per CTA when it is built (`FusedOptions::dataflow`), else 0.
     pub dataflow_smem_bytes: u32,
+    /// v2's grid and its CTAs per thread-block cluster (1: none; 0 and 0 when v2 is not built).
+    pub dataflow_grid: u32,
+    pub dataflow_cluster: u32,
 }
 
 /// The compiled kernel and its device-side parameters for one `GpuTransformer`.
@@ -687,6 +691,8 @@ struct DataflowStep {
     /// Dynamic shared memory of every v2 launch: the per-block maximum less the static part.
     smem: usize,
     grid: u32,
+    /// CTAs per thread-block cluster the entry points were compiled with (1: none).
+    cluster: u32,
     /// `FusedOptions::dataflow_max_rows`, clamped to DATAFLOW_MAX_ROWS.
     max_rows: usize,
     /// `FusedOptions::dataflow_max_queries`.
@@ -1254,6 +1260,8 @@ impl FusedStep {
             prof,
             info: FusedInfo {
                 dataflow_smem_bytes: dataflow.as_ref().map_or(0, |d| d.smem as u32),
+                dataflow_grid: dataflow.as_ref().map_or(0, |d| d.grid),
+                dataflow_cluster: dataflow.as_ref().map_or(0, |d| d.cluster),
                 kernel,
                 grid,
                 threads: THREADS,
@@ -1309,17 +1317,30 @@ impl DataflowStep {
             )));
         }
         let threads = threads as u32;
+        // A kernel version compiled with thread-block clusters (`__cluster_dims__`, a candidate that
+        // shares work within a cluster) is launched with them: whole clusters that are resident at once,
+        // and not cooperatively (the kernel needs the co-residency, which this check gives, not the
+        // cooperative API). The shipped kernel has none.
+        let cluster = required_cluster_width(&m8).map_err(gpu)?;
+        if cluster != required_cluster_width(&m16).map_err(gpu)? {
+            return Err(ModelError::Gpu(
+                "fused step v2: the entry points' cluster widths differ".into(),
+            ));
+        }
         // One CTA per SM (or the requested grid); both entry points must fit at once.
         let requested = Some(opts.grid.unwrap_or(num_sms));
         let mut grid = u32::MAX;
         for f in [&m8, &m16] {
-            grid = grid.min(
-                co_resident_grid(f, requested, num_sms, threads, smem).map_err(|e| {
-                    ModelError::Gpu(format!(
-                        "fused step v2: the grid does not fit on the device at once: {e}"
-                    ))
-                })?,
-            );
+            let fits = if cluster > 1 {
+                co_resident_cluster_grid(f, &s, requested, num_sms, threads, smem, cluster)
+            } else {
+                co_resident_grid(f, requested, num_sms, threads, smem)
+            };
+            grid = grid.min(fits.map_err(|e| {
+                ModelError::Gpu(format!(
+                    "fused step v2: the grid does not fit on the device at once: {e}"
+                ))
+            })?);
         }
         let counters = s
             .alloc_zeros::<u64>((1 + c.num_layers * V2_STAGES) * V2_CTR_WORDS)
@@ -1361,6 +1382,7 @@ impl DataflowStep {
             _ss_parts: ss_parts,
             smem,
             grid,
+            cluster,
             max_rows: opts.dataflow_max_rows.min(DATAFLOW_MAX_ROWS),
             max_queries: opts.dataflow_max_queries,
             threads,
@@ -1750,6 +1772,12 @@ impl GpuTransformer {
                 .map(|(f, layout)| (d, f, layout))
         });
         if let Some((d, func, layout)) = v2 {
+            // A cluster kernel's co-residency comes from its grid (DataflowStep::configure), not from a
+            // cooperative launch.
+            let opts = LaunchOptions {
+                cooperative: opts.cooperative && d.cluster <= 1,
+                ..opts
+            };
             let mut args = args.to_vec();
             args[0] = KernelArg::buf(&d.params, s);
             args.push(KernelArg::i32(layout));

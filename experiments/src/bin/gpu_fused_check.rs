@@ -590,14 +590,16 @@ fn check_variants(
         });
         if let Some(i) = gpu.fused_info() {
             println!(
-                "  ({}, grid {}, {} B shared; 1 row runs {}, 16 rows {}, 17 rows {}; v2 shared {} B)",
+                "  ({}, grid {}, {} B shared; 1 row runs {}, 16 rows {}, 17 rows {}; v2 shared {} B, grid {} in clusters of {})",
                 i.kernel,
                 i.grid,
                 i.smem_bytes,
                 gpu.fused_kernel_for(1, 1).unwrap_or("-"),
                 gpu.fused_kernel_for(16, 16).unwrap_or("-"),
                 gpu.fused_kernel_for(17, 17).unwrap_or("-"),
-                i.dataflow_smem_bytes
+                i.dataflow_smem_bytes,
+                i.dataflow_grid,
+                i.dataflow_cluster
             );
         }
         check_model(tally, cpu, gpu, quick)?;
@@ -876,13 +878,16 @@ fn bench(args: BenchArgs) -> Result<()> {
     let bw = copy_bandwidth(&gpu)?;
     let floor_ms = gpu.weight_bytes() as f64 / (bw * 1e12) * 1e3;
     println!(
-        "fused kernel: grid {} x {} threads, {} B dynamic shared memory, {} CTA(s)/SM fit, weight ring {} x {}-column chunks; weights {:.1} MB, copy bandwidth {:.2} TB/s, weight floor {:.3} ms",
+        "fused kernel: grid {} x {} threads, {} B dynamic shared memory, {} CTA(s)/SM fit, weight ring {} x {}-column chunks; v2 grid {} in clusters of {}, {} B dynamic shared memory; weights {:.1} MB, copy bandwidth {:.2} TB/s, weight floor {:.3} ms",
         info.grid,
         info.threads,
         info.smem_bytes,
         info.blocks_per_sm,
         info.ring_stages,
         info.chunk_k,
+        info.dataflow_grid,
+        info.dataflow_cluster,
+        info.dataflow_smem_bytes,
         gpu.weight_bytes() as f64 / 1e6,
         bw,
         floor_ms
@@ -1078,6 +1083,15 @@ fn bench(args: BenchArgs) -> Result<()> {
                     gpu.set_fused_variant(kernel)
                         .with_context(|| format!("{}: building its kernel", v.name))?;
                     gpu.set_fused_options(v.opts)?;
+                    // A kernel version with thread-block clusters runs on another grid: say so once.
+                    if let (Some(i), true) = (gpu.fused_info(), b == 1 && t == 1) {
+                        if i.dataflow_cluster > 1 {
+                            println!(
+                                "{}: v2 grid {} in clusters of {}",
+                                v.name, i.dataflow_grid, i.dataflow_cluster
+                            );
+                        }
+                    }
                 }
                 // The step itself (captures the graph), then back-to-back replays of it.
                 let out = gpu.forward(&inputs)?.logits;

@@ -204,6 +204,47 @@ pub fn co_resident_grid(
     persistent_grid(requested, num_sms, per_sm).map_err(CudaError::Shape)
 }
 
+/// The cluster width `func` was compiled with (`__cluster_dims__`), 1 for a kernel without one. A
+/// launch without a cluster attribute gets that width.
+pub fn required_cluster_width(func: &CudaFunction) -> Result<u32, CudaError> {
+    let width =
+        func.get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH)?;
+    Ok(width.max(1) as u32)
+}
+
+/// `co_resident_grid` for a kernel compiled with clusters of `width` CTAs: the requested grid (one CTA per
+/// SM by default) rounded down to whole clusters, and no more clusters than can be resident at once (a
+/// cluster's CTAs share a GPC, so fewer may fit than SMs allow).
+pub fn co_resident_cluster_grid(
+    func: &CudaFunction,
+    stream: &CudaStream,
+    requested: Option<u32>,
+    num_sms: u32,
+    threads: u32,
+    smem: usize,
+    width: u32,
+) -> Result<u32, CudaError> {
+    let want = requested.unwrap_or(num_sms) / width.max(1) * width.max(1);
+    if want == 0 {
+        return Err(CudaError::Shape(format!(
+            "a grid of {} CTAs holds no whole cluster of {width}",
+            requested.unwrap_or(num_sms)
+        )));
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (want, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let clusters = func.occupancy_max_active_clusters(cfg, stream)?;
+    if clusters == 0 {
+        return Err(CudaError::Shape(format!(
+            "no cluster of {width} CTAs ({threads} threads, {smem} B of shared memory each) fits on the device"
+        )));
+    }
+    Ok(want.min(clusters * width))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -11,7 +11,10 @@ pub mod launch;
 pub mod sampling;
 pub use gemm::{Gemm, LinearBackend, LinearChoice, SKINNY_MAX_ROWS};
 pub use graph::{capture_graph, OwnedGraph};
-pub use launch::{co_resident_grid, launch, launch_with, KernelArg, LaunchOptions};
+pub use launch::{
+    co_resident_cluster_grid, co_resident_grid, launch, launch_with, required_cluster_width,
+    KernelArg, LaunchOptions,
+};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
