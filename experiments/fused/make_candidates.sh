@@ -27,7 +27,9 @@ mkdir -p "$out"
 # xdcrkq (xq + dcomb + dcra + kt64); poll4 / poll2 (a stage counter polled by 4 or 2 staggered lanes);
 # rot (each CTA's cp.async staging starts at its own line of the rows: O and down, and with xnorm every
 # norm stage but layer 0's), xrot (xnorm + rot: xrot.patch after xnorm.patch), xqrot (xq + rot), xdcrkqr
-# (xdcrkq + rot);
+# (xdcrkq + rot); xmc2 / xmc4 (xnorm with its whole-K stagings copied once per thread-block cluster of 2 or
+# 4 CTAs, multicast: xmc2.patch after xnorm.patch; needs the host's cluster launch, session 36), xmc2r
+# (xmc2 + rot for the down stage's per-chunk copies);
 # candidates/README.md.
 list=(
   "dcomb dcomb"
@@ -50,6 +52,9 @@ list=(
   "xrot xnorm xrot"
   "xqrot xnorm xq xrot"
   "xdcrkqr xnorm xq dcomb dcra kt64 xrot"
+  "xmc2 xnorm xmc2"
+  "xmc4 xnorm xmc2 FV2_CLUSTER=4"
+  "xmc2r xnorm xmc2 xrot"
 )
 # Ablation kernels, into OUT_DIR/../ablations (run them with AB_DIR naming it and AB_CHECK=0: their logits
 # are wrong by design): the timeline kernel (timeline.patch) with ablation.patch's FV2_ABLATE bits, so that
