@@ -212,9 +212,33 @@ pub fn required_cluster_width(func: &CudaFunction) -> Result<u32, CudaError> {
     Ok(width.max(1) as u32)
 }
 
-/// `co_resident_grid` for a kernel compiled with clusters of `width` CTAs: the requested grid (one CTA per
-/// SM by default) rounded down to whole clusters, and no more clusters than can be resident at once (a
-/// cluster's CTAs share a GPC, so fewer may fit than SMs allow).
+/// The grid of a persistent kernel compiled with clusters of `width` CTAs: the requested grid (one CTA
+/// per SM by default) rounded down to whole clusters, and no more than the `resident` clusters that fit
+/// at once (a cluster's CTAs share a GPC, so fewer may fit than the SMs' count suggests).
+pub fn persistent_cluster_grid(
+    requested: Option<u32>,
+    num_sms: u32,
+    width: u32,
+    resident: u32,
+) -> Result<u32, String> {
+    let width = width.max(1);
+    let asked = requested.unwrap_or(num_sms);
+    let want = asked / width * width;
+    if want == 0 {
+        return Err(format!(
+            "a grid of {asked} CTAs holds no whole cluster of {width}"
+        ));
+    }
+    if resident == 0 {
+        return Err(format!(
+            "not even one cluster of {width} CTAs fits on the device (registers or shared memory)"
+        ));
+    }
+    Ok(want.min(resident.saturating_mul(width)))
+}
+
+/// `co_resident_grid` for a kernel compiled with clusters of `width` CTAs (`persistent_cluster_grid`,
+/// with the occupancy calculator's count of resident clusters).
 pub fn co_resident_cluster_grid(
     func: &CudaFunction,
     stream: &CudaStream,
@@ -224,25 +248,15 @@ pub fn co_resident_cluster_grid(
     smem: usize,
     width: u32,
 ) -> Result<u32, CudaError> {
-    let want = requested.unwrap_or(num_sms) / width.max(1) * width.max(1);
-    if want == 0 {
-        return Err(CudaError::Shape(format!(
-            "a grid of {} CTAs holds no whole cluster of {width}",
-            requested.unwrap_or(num_sms)
-        )));
-    }
+    let want =
+        persistent_cluster_grid(requested, num_sms, width, u32::MAX).map_err(CudaError::Shape)?;
     let cfg = LaunchConfig {
         grid_dim: (want, 1, 1),
         block_dim: (threads, 1, 1),
         shared_mem_bytes: smem as u32,
     };
-    let clusters = func.occupancy_max_active_clusters(cfg, stream)?;
-    if clusters == 0 {
-        return Err(CudaError::Shape(format!(
-            "no cluster of {width} CTAs ({threads} threads, {smem} B of shared memory each) fits on the device"
-        )));
-    }
-    Ok(want.min(clusters * width))
+    let resident = func.occupancy_max_active_clusters(cfg, stream)?;
+    persistent_cluster_grid(requested, num_sms, width, resident).map_err(CudaError::Shape)
 }
 
 #[cfg(test)]
@@ -257,6 +271,19 @@ mod tests {
         assert!(persistent_grid(Some(133), 132, 1).is_err());
         assert!(persistent_grid(None, 132, 0).is_err());
         assert!(persistent_grid(Some(0), 132, 1).is_err());
+    }
+
+    #[test]
+    fn a_cluster_grid_is_whole_clusters_that_fit_at_once() {
+        assert_eq!(persistent_cluster_grid(None, 132, 2, 66), Ok(132));
+        assert_eq!(persistent_cluster_grid(None, 132, 4, 33), Ok(132));
+        // Fewer clusters resident than the SMs allow: the grid shrinks to what fits.
+        assert_eq!(persistent_cluster_grid(None, 132, 4, 32), Ok(128));
+        // A request is rounded down to whole clusters.
+        assert_eq!(persistent_cluster_grid(Some(131), 132, 2, 66), Ok(130));
+        assert_eq!(persistent_cluster_grid(Some(64), 132, 1, u32::MAX), Ok(64));
+        assert!(persistent_cluster_grid(Some(3), 132, 4, 33).is_err());
+        assert!(persistent_cluster_grid(None, 132, 2, 0).is_err());
     }
 
     #[test]
